@@ -1,0 +1,52 @@
+// IEEE fp16 and bfloat16 storage types with round-to-nearest-even conversions.
+// Bit-identical to torch's c10::Half / c10::BFloat16 conversions (NaN becomes the canonical
+// quiet NaN), and identical on the host and the device.
+#pragma once
+
+#include "hd.h"
+
+namespace gradcomp {
+
+struct f16 { uint16_t bits; };
+struct bf16 { uint16_t bits; };
+
+GC_HD float to_float(float x) { return x; }
+
+GC_HD float to_float(f16 h) {
+  // Branch-light widening (after Maratos, as in the FP16 library that c10 uses).
+  const uint32_t w = static_cast<uint32_t>(h.bits) << 16;
+  const uint32_t sign = w & 0x80000000u;
+  const uint32_t two_w = w + w;
+  const float normalized = bits_float((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
+  const float denormalized = bits_float((two_w >> 17) | (126u << 23)) - 0.5f;
+  const uint32_t magnitude = two_w < (1u << 27) ? float_bits(denormalized) : float_bits(normalized);
+  return bits_float(sign | magnitude);
+}
+
+GC_HD float to_float(bf16 b) { return bits_float(static_cast<uint32_t>(b.bits) << 16); }
+
+template <typename T> GC_HD T from_float(float x);
+
+template <> GC_HD float from_float<float>(float x) { return x; }
+
+template <> GC_HD f16 from_float<f16>(float f) {
+  // Rounds through float arithmetic: scaling to Inf and back leaves the rounded mantissa.
+  float base = (bits_float(float_bits(f) & 0x7FFFFFFFu) * 0x1.0p+112f) * 0x1.0p-110f;
+  const uint32_t w = float_bits(f);
+  const uint32_t shl1_w = w + w;
+  const uint32_t sign = w & 0x80000000u;
+  uint32_t bias = shl1_w & 0xFF000000u;
+  if (bias < 0x71000000u) bias = 0x71000000u;
+  base = bits_float((bias >> 1) + 0x07800000u) + base;
+  const uint32_t bits = float_bits(base);
+  const uint32_t nonsign = ((bits >> 13) & 0x7C00u) + (bits & 0x0FFFu);
+  return f16{static_cast<uint16_t>((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign))};
+}
+
+template <> GC_HD bf16 from_float<bf16>(float f) {
+  const uint32_t u = float_bits(f);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return bf16{0x7FC0};
+  return bf16{static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16)};
+}
+
+}  // namespace gradcomp

@@ -1,0 +1,55 @@
+// none, fp16, bf16: every element travels, in the gradient's dtype or rounded to 16 bits
+// (round-to-nearest-even). Body: n values of the wire type.
+#include "chunked.h"
+
+namespace gradcomp::codecs {
+namespace {
+
+template <typename T, typename W>
+void encode_as(const EncodeArgs& a) {
+  const T* grad = static_cast<const T*>(a.grad);
+  T* residual = static_cast<T*>(a.residual);
+  W* wire = field<W>(a.payload, kHeaderBytes);
+  for (int64_t i = 0; i < a.header.numel; ++i) {
+    const float m = compensated(grad, residual, i);
+    wire[i] = from_float<W>(m);
+    store_residual(residual, i, m, to_float(wire[i]));
+  }
+}
+
+template <typename T, typename W>
+void decode_as(const DecodeArgs& a, const PayloadHeader& h) {
+  sum_payloads<T>(a, h.numel, [](const uint8_t* payload, int64_t begin, int64_t len, float* acc) {
+    const W* wire = field<W>(payload, kHeaderBytes) + begin;
+    for (int64_t i = 0; i < len; ++i) acc[i] += to_float(wire[i]);
+  });
+}
+
+// Calls f with null pointers of (gradient type, wire type).
+template <typename F>
+void visit_wire(const PayloadHeader& h, F&& f) {
+  visit_dtype(static_cast<DType>(h.dtype), [&](auto* grad_type) {
+    using T = std::remove_pointer_t<decltype(grad_type)>;
+    switch (static_cast<Codec>(h.codec)) {
+      case Codec::Fp16: f(grad_type, static_cast<f16*>(nullptr)); break;
+      case Codec::Bf16: f(grad_type, static_cast<bf16*>(nullptr)); break;
+      default: f(grad_type, static_cast<T*>(nullptr)); break;
+    }
+  });
+}
+
+}  // namespace
+
+void encode_dense(const EncodeArgs& a) {
+  visit_wire(a.header, [&](auto* t, auto* w) {
+    encode_as<std::remove_pointer_t<decltype(t)>, std::remove_pointer_t<decltype(w)>>(a);
+  });
+}
+
+void decode_dense(const DecodeArgs& a, const PayloadHeader& h) {
+  visit_wire(h, [&](auto* t, auto* w) {
+    decode_as<std::remove_pointer_t<decltype(t)>, std::remove_pointer_t<decltype(w)>>(a, h);
+  });
+}
+
+}  // namespace gradcomp::codecs

@@ -1,0 +1,72 @@
+// The CPU codecs on raw pointers: no torch here, so GoogleTest and fuzzers use them directly.
+#pragma once
+
+#include <string>
+
+#include "../common/half.h"
+#include "../common/random.h"
+#include "../common/wire.h"
+
+namespace gradcomp {
+
+struct EncodeArgs {
+  PayloadHeader header;     // codec, dtype, numel, parameters and random key; copied to the payload
+  uint32_t rank = 0;        // keys this rank's stochastic rounding
+  const void* grad = nullptr;  // numel contiguous elements of header.dtype
+  void* residual = nullptr;    // the same shape and dtype; nullptr: no error feedback
+  uint8_t* payload = nullptr;  // body_layout(header).total bytes
+};
+
+struct DecodeArgs {
+  const uint8_t* payloads = nullptr;  // count payloads, one every stride bytes, all validated
+  int64_t count = 0;
+  int64_t stride = 0;
+  void* out = nullptr;  // numel elements of the header's dtype, overwritten
+  float alpha = 1.0f;   // out = alpha * sum of the decoded payloads
+  bool vote = false;    // signsgd only: majority vote of the signs, scaled by the summed scales
+};
+
+PayloadHeader make_header(Codec codec, DType dtype, int64_t numel, int64_t param0, int64_t param1,
+                          const RandomKey& key);
+
+// Encodes grad (+ residual) into payload; with a residual, leaves grad + residual - decoded there.
+void encode_cpu(const EncodeArgs& args);
+
+// Checks what decode_sum_cpu relies on: every header well formed and equal to the first, the
+// payload size exact, every index in range. Returns "" when the payloads are safe to decode.
+std::string validate_payloads(const uint8_t* payloads, int64_t count, int64_t stride);
+
+void decode_sum_cpu(const DecodeArgs& args);
+
+// Orthonormalizes the columns of a row-major rows x cols fp32 matrix in place (modified
+// Gram-Schmidt); a column whose norm falls below eps after projection becomes zero.
+void orthogonalize_cpu(float* matrix, int64_t rows, int64_t cols, float eps);
+
+// Per-codec entry points, one file each.
+namespace codecs {
+void encode_dense(const EncodeArgs&);
+void decode_dense(const DecodeArgs&, const PayloadHeader&);
+void encode_signsgd(const EncodeArgs&);
+void decode_signsgd(const DecodeArgs&, const PayloadHeader&);
+void encode_terngrad(const EncodeArgs&);
+void decode_terngrad(const DecodeArgs&, const PayloadHeader&);
+void encode_qsgd(const EncodeArgs&);
+void decode_qsgd(const DecodeArgs&, const PayloadHeader&);
+void encode_topk(const EncodeArgs&);
+std::string validate_topk_indices(const uint8_t* payload, const PayloadHeader&);
+void decode_topk(const DecodeArgs&, const PayloadHeader&);
+void encode_randomk(const EncodeArgs&);
+void decode_randomk(const DecodeArgs&, const PayloadHeader&);
+}  // namespace codecs
+
+// Calls f with a null pointer of the C++ element type for a wire dtype.
+template <typename F>
+void visit_dtype(DType dtype, F&& f) {
+  switch (dtype) {
+    case DType::F32: f(static_cast<float*>(nullptr)); break;
+    case DType::F16: f(static_cast<f16*>(nullptr)); break;
+    case DType::BF16: f(static_cast<bf16*>(nullptr)); break;
+  }
+}
+
+}  // namespace gradcomp

@@ -1,0 +1,55 @@
+// randomk: the k elements at indices pi(0), ..., pi(k - 1) of M = gradient + residual (fp32 sum
+// rounded to the gradient's dtype), where pi is the IndexPermutation keyed by (seed, step,
+// bucket): every rank picks the same indices, so the payloads can be summed by an allreduce.
+// Body: the k values, in that order, in the gradient's dtype; no indices travel.
+// Error feedback leaves M in the residual with the sent elements zeroed.
+#include "chunked.h"
+
+namespace gradcomp::codecs {
+namespace {
+
+template <typename T>
+void encode_typed(const EncodeArgs& a) {
+  const int64_t n = a.header.numel, k = a.header.param0;
+  const T* grad = static_cast<const T*>(a.grad);
+  T* residual = static_cast<T*>(a.residual);
+  T* values = field<T>(a.payload, kHeaderBytes);
+  const IndexPermutation pi(static_cast<uint32_t>(n), RandomKey{a.header.seed, a.header.step, a.header.bucket, 0});
+  if (!residual) {
+    for (int64_t j = 0; j < k; ++j) values[j] = grad[pi(static_cast<uint32_t>(j))];
+    return;
+  }
+  for (int64_t i = 0; i < n; ++i) residual[i] = from_float<T>(to_float(grad[i]) + to_float(residual[i]));
+  for (int64_t j = 0; j < k; ++j) {
+    const uint32_t i = pi(static_cast<uint32_t>(j));
+    values[j] = residual[i];
+    residual[i] = from_float<T>(0.0f);
+  }
+}
+
+template <typename T>
+void decode_typed(const DecodeArgs& a, const PayloadHeader& h) {
+  const int64_t n = h.numel, k = h.param0;
+  T* out = static_cast<T*>(a.out);
+  std::fill(out, out + n, from_float<T>(0.0f));
+  const IndexPermutation pi(static_cast<uint32_t>(n), RandomKey{h.seed, h.step, h.bucket, 0});
+  for (int64_t j = 0; j < k; ++j) {
+    float sum = 0.0f;
+    for (int64_t p = 0; p < a.count; ++p) sum += to_float(field<T>(a.payloads + p * a.stride, kHeaderBytes)[j]);
+    out[pi(static_cast<uint32_t>(j))] = from_float<T>(sum * a.alpha);
+  }
+}
+
+}  // namespace
+
+void encode_randomk(const EncodeArgs& a) {
+  visit_dtype(static_cast<DType>(a.header.dtype),
+              [&](auto* t) { encode_typed<std::remove_pointer_t<decltype(t)>>(a); });
+}
+
+void decode_randomk(const DecodeArgs& a, const PayloadHeader& h) {
+  visit_dtype(static_cast<DType>(h.dtype),
+              [&](auto* t) { decode_typed<std::remove_pointer_t<decltype(t)>>(a, h); });
+}
+
+}  // namespace gradcomp::codecs

@@ -1,0 +1,125 @@
+// topk: the k elements of largest magnitude of M = gradient + residual (computed in fp32, then
+// rounded to the gradient's dtype). Magnitude order is that of magnitude_key: NaN above Inf above
+// every finite value, -0 equal to +0; among equal magnitudes the lower index wins.
+// Body: k int32 indices in ascending order, then their k values of M in the gradient's dtype.
+// Error feedback leaves M in the residual with the sent elements zeroed.
+//
+// Selection is a radix select on the magnitude keys: a histogram of the top 11 key bits finds the
+// bin holding the k-th largest, the keys in that bin are gathered and the exact threshold key is
+// found among them, and a final pass in index order emits every element above the threshold plus
+// the first elements equal to it.
+#include <algorithm>
+#include <functional>
+#include <vector>
+
+#include "chunked.h"
+
+namespace gradcomp::codecs {
+namespace {
+
+constexpr int kBinShift = 20;  // keys are below 2^31: 11 bits of exponent and leading mantissa
+constexpr int kBins = 1 << (31 - kBinShift);
+
+template <typename T>
+uint32_t key_of(const T* m, int64_t i) { return magnitude_key(to_float(m[i])); }
+
+template <typename T>
+void encode_typed(const EncodeArgs& a) {
+  const int64_t n = a.header.numel, k = a.header.param0;
+  if (n == 0) return;
+  const BodyLayout layout = body_layout(a.header);
+  int32_t* indices = field<int32_t>(a.payload, layout.codes);
+  T* values = field<T>(a.payload, layout.values);
+  const T* grad = static_cast<const T*>(a.grad);
+  T* residual = static_cast<T*>(a.residual);
+
+  // Pass 1: M (kept in the residual under error feedback) and the histogram of its keys.
+  std::vector<int64_t> histogram(kBins, 0);
+  if (residual) {
+    for (int64_t i = 0; i < n; ++i) {
+      residual[i] = from_float<T>(to_float(grad[i]) + to_float(residual[i]));
+      ++histogram[key_of(residual, i) >> kBinShift];
+    }
+  } else {
+    for (int64_t i = 0; i < n; ++i) ++histogram[key_of(grad, i) >> kBinShift];
+  }
+  const T* m = residual ? residual : grad;
+
+  // The bin holding the k-th largest key, and how many elements lie above it.
+  int64_t above = 0;
+  uint32_t bin = kBins - 1;
+  while (above + histogram[bin] < k) above += histogram[bin--];
+
+  // Pass 2: the keys in that bin; the exact threshold is the (k - above)-th largest of them.
+  std::vector<uint32_t> candidates;
+  candidates.reserve(histogram[bin]);
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t key = key_of(m, i);
+    if ((key >> kBinShift) == bin) candidates.push_back(key);
+  }
+  const int64_t rank_in_bin = k - above;  // >= 1
+  std::nth_element(candidates.begin(), candidates.begin() + (rank_in_bin - 1), candidates.end(),
+                   std::greater<uint32_t>());
+  const uint32_t threshold = candidates[rank_in_bin - 1];
+  const int64_t greater_in_bin =
+      std::count_if(candidates.begin(), candidates.end(), [&](uint32_t key) { return key > threshold; });
+  int64_t ties_left = k - above - greater_in_bin;
+
+  // Pass 3: emit in index order until all k are out.
+  int64_t emitted = 0;
+  for (int64_t i = 0; emitted < k; ++i) {
+    const uint32_t key = key_of(m, i);
+    if (key > threshold || (key == threshold && ties_left-- > 0)) {
+      indices[emitted] = static_cast<int32_t>(i);
+      values[emitted] = m[i];
+      if (residual) residual[i] = from_float<T>(0.0f);
+      ++emitted;
+    }
+  }
+}
+
+template <typename T>
+void decode_typed(const DecodeArgs& a, const PayloadHeader& h) {
+  const int64_t n = h.numel, k = h.param0;
+  const BodyLayout layout = body_layout(h);
+  T* out = static_cast<T*>(a.out);
+  std::fill(out, out + n, from_float<T>(0.0f));
+  if (a.count == 1) {  // each index written once: (0 + v) * alpha
+    const int32_t* indices = field<int32_t>(a.payloads, layout.codes);
+    const T* values = field<T>(a.payloads, layout.values);
+    for (int64_t j = 0; j < k; ++j)
+      out[indices[j]] = from_float<T>((0.0f + to_float(values[j])) * a.alpha);
+    return;
+  }
+  std::vector<float> sums(n, 0.0f);
+  for (int64_t p = 0; p < a.count; ++p) {
+    const int32_t* indices = field<int32_t>(a.payloads + p * a.stride, layout.codes);
+    const T* values = field<T>(a.payloads + p * a.stride, layout.values);
+    for (int64_t j = 0; j < k; ++j) sums[indices[j]] += to_float(values[j]);
+  }
+  for (int64_t i = 0; i < n; ++i) out[i] = from_float<T>(sums[i] * a.alpha);
+}
+
+}  // namespace
+
+void encode_topk(const EncodeArgs& a) {
+  visit_dtype(static_cast<DType>(a.header.dtype),
+              [&](auto* t) { encode_typed<std::remove_pointer_t<decltype(t)>>(a); });
+}
+
+std::string validate_topk_indices(const uint8_t* payload, const PayloadHeader& h) {
+  const int32_t* indices = field<int32_t>(payload, body_layout(h).codes);
+  for (int64_t j = 0; j < h.param0; ++j) {
+    if (indices[j] < 0 || indices[j] >= h.numel)
+      return "index " + std::to_string(indices[j]) + " at position " + std::to_string(j) +
+             " is outside [0, " + std::to_string(h.numel) + ")";
+  }
+  return "";
+}
+
+void decode_topk(const DecodeArgs& a, const PayloadHeader& h) {
+  visit_dtype(static_cast<DType>(h.dtype),
+              [&](auto* t) { decode_typed<std::remove_pointer_t<decltype(t)>>(a, h); });
+}
+
+}  // namespace gradcomp::codecs

@@ -1,0 +1,36 @@
+// gradcomp._C: loading it registers the torch.ops.gradcomp ops (ops.cpp); the functions here are
+// the plain, tensor-free helpers the Python layer needs.
+#include <pybind11/pybind11.h>
+
+#include "../cpu/kernels.h"
+
+namespace py = pybind11;
+using namespace gradcomp;
+
+namespace {
+
+// Exact payload bytes for a codec (wire name), dtype id, element count and parameters.
+int64_t payload_nbytes(const std::string& codec, int dtype, int64_t numel, int64_t param0, int64_t param1) {
+  const int id = codec_from_name(codec.c_str());
+  if (id < 0) throw py::value_error("unknown codec '" + codec + "'; valid codecs: " + kValidCodecNames);
+  const PayloadHeader h = make_header(static_cast<Codec>(id), static_cast<DType>(dtype), numel, param0, param1, RandomKey{});
+  if (const char* problem = header_problem(h)) throw py::value_error(std::string("invalid ") + codec + " parameters: " + problem);
+  return body_layout(h).total;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "gradcomp native extension";
+  m.def("payload_nbytes", &payload_nbytes, py::arg("codec"), py::arg("dtype"), py::arg("numel"),
+        py::arg("param0") = 0, py::arg("param1") = 0);
+  m.attr("header_bytes") = kHeaderBytes;
+  m.attr("payload_align") = kPayloadAlign;
+  m.attr("format_version") = kFormatVersion;
+  m.attr("max_levels") = kMaxLevels;
+#ifdef GRADCOMP_WITH_CUDA
+  m.attr("cuda_built") = true;
+#else
+  m.attr("cuda_built") = false;
+#endif
+}

@@ -1,0 +1,17 @@
+"""gradcomp: gradient compression for PyTorch DistributedDataParallel.
+
+    import gradcomp
+    gradcomp.available()                      # every codec with its parameters and defaults
+    c = gradcomp.codec("qsgd:levels=16,block=512")
+    payload = c.encode(grad, residual)        # residual (error feedback) is updated in place
+    c.decode_sum(torch.stack(payloads), out, alpha=1 / world_size)
+"""
+
+from . import _ops  # noqa: F401  (loads gradcomp._C: registers torch.ops.gradcomp.*)
+from .codecs import Codec, PayloadCodec, available, codec, count_for_ratio, describe, parse_spec
+from .powersgd import PowerSGD
+
+__version__ = "0.1.0"
+cuda_built = _ops._C.cuda_built
+
+__all__ = ["Codec", "PayloadCodec", "PowerSGD", "available", "codec", "count_for_ratio", "describe", "parse_spec"]

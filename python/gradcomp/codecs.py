@@ -1,0 +1,258 @@
+"""Codecs by name: spec parsing, parameters and the Python face of the native ops.
+
+A codec turns a flat gradient (plus an optional error-feedback residual, updated in place) into
+a payload, and sums decoded payloads into an output tensor. Every codec except powersgd speaks
+the wire format of csrc/common/wire.h: one uint8 payload with a 48-byte header.
+"""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+from typing import Any
+
+import torch
+
+from . import _ops
+
+HEADER_BYTES = _ops._C.header_bytes
+SUPPORTED_DTYPES = tuple(_ops.DTYPE_IDS)
+
+# name -> (class, {parameter: default}, one-line description)
+_REGISTRY: dict[str, tuple[type, dict[str, Any], str]] = {}
+
+
+def _register(name: str, defaults: dict[str, Any], description: str):
+    def wrap(cls):
+        cls.name = name
+        _REGISTRY[name] = (cls, defaults, description)
+        return cls
+
+    return wrap
+
+
+def available() -> dict[str, dict[str, Any]]:
+    """Every codec name with its parameters and their defaults."""
+    return {name: dict(defaults) for name, (_, defaults, _) in _REGISTRY.items()}
+
+
+def describe() -> str:
+    """A table of the codecs, their defaults and what travels on the wire."""
+    lines = []
+    for name, (_, defaults, description) in _REGISTRY.items():
+        params = ", ".join(f"{k}={v}" for k, v in defaults.items()) or "-"
+        lines.append(f"{name:9s} {params:62s} {description}")
+    return "\n".join(lines)
+
+
+def _parse_value(codec: str, key: str, text: str, default: Any) -> Any:
+    try:
+        if isinstance(default, bool):
+            lowered = text.strip().lower()
+            if lowered in ("1", "true", "yes", "on"):
+                return True
+            if lowered in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        if isinstance(default, int):
+            return int(text)
+        if isinstance(default, float):
+            return float(text)
+    except ValueError:
+        pass
+    raise ValueError(f"{codec}: cannot read {key}={text!r} as {type(default).__name__}")
+
+
+def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
+    """'qsgd:levels=16,block=512' -> ('qsgd', {'levels': 16, 'block': 512})."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"a codec spec is a non-empty string such as 'topk:ratio=0.01', got {spec!r}")
+    name, _, rest = spec.strip().partition(":")
+    name = name.strip().lower()
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown codec {name!r}; valid codecs: {', '.join(_REGISTRY)}")
+    defaults = _REGISTRY[name][1]
+    params: dict[str, Any] = {}
+    for item in filter(None, (part.strip() for part in rest.split(","))):
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep:
+            raise ValueError(f"{name}: expected key=value in the spec, got {item!r}")
+        if key not in defaults:
+            raise ValueError(f"{name}: unknown parameter {key!r}; valid parameters: {', '.join(defaults) or 'none'}")
+        params[key] = _parse_value(name, key, value, defaults[key])
+    return name, params
+
+
+def codec(spec: str, **params: Any) -> "Codec":
+    """Builds a codec from a name or spec string; keyword parameters override the spec's."""
+    name, parsed = parse_spec(spec)
+    parsed.update(params)
+    cls, defaults, _ = _REGISTRY[name]
+    unknown = set(parsed) - set(defaults)
+    if unknown:
+        raise ValueError(
+            f"{name}: unknown parameter(s) {', '.join(sorted(unknown))}; valid parameters: {', '.join(defaults) or 'none'}"
+        )
+    return cls(**{**defaults, **parsed})
+
+
+def _check_range(codec_name: str, key: str, value: Any, low: float, high: float, *, low_open: bool = False) -> None:
+    bad_low = value <= low if low_open else value < low
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or bad_low or value > high:
+        bracket = "(" if low_open else "["
+        raise ValueError(f"{codec_name}: {key}={value!r} is outside {bracket}{low}, {high}]")
+
+
+def _check_seed(codec_name: str, seed: Any) -> int:
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+        raise ValueError(f"{codec_name}: seed={seed!r} must be an integer in [0, 2^63)")
+    return seed
+
+
+def count_for_ratio(ratio: float, numel: int) -> int:
+    """k = ceil(ratio * numel) with ratio read as its shortest decimal, at least 1 when numel > 0."""
+    if numel == 0:
+        return 0
+    return min(numel, max(1, math.ceil(Fraction(repr(float(ratio))) * numel)))
+
+
+class Codec:
+    """Base of every codec: a name, its parameters, and how its payloads travel."""
+
+    name = "?"
+    collective = "allgather"  # or "allreduce": payload bodies can be summed elementwise
+    error_feedback = False
+
+    def __init__(self, error_feedback: bool = False, **params: Any):
+        if not isinstance(error_feedback, bool):
+            raise ValueError(f"{self.name}: error_feedback must be True or False, got {error_feedback!r}")
+        self.error_feedback = error_feedback
+        self.params = dict(params, error_feedback=error_feedback)
+
+    def spec(self) -> str:
+        return self.name + ":" + ",".join(f"{k}={v}" for k, v in sorted(self.params.items()))
+
+    def __repr__(self) -> str:
+        return f"gradcomp.codec({self.spec()!r})"
+
+
+class PayloadCodec(Codec):
+    """A codec that speaks the wire format through torch.ops.gradcomp.encode / decode_sum."""
+
+    seed = 0
+
+    def wire_params(self, numel: int) -> tuple[int, int]:
+        return 0, 0
+
+    def payload_nbytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
+        """Exact bytes of one payload (header and padding included) for numel elements of dtype."""
+        if dtype not in _ops.DTYPE_IDS:
+            raise ValueError(f"{self.name}: unsupported dtype {dtype}; supported: {SUPPORTED_DTYPES}")
+        return _ops._C.payload_nbytes(self.name, _ops.DTYPE_IDS[dtype], numel, *self.wire_params(numel))
+
+    def encode(self, grad: torch.Tensor, residual: torch.Tensor | None = None, *, step: int = 0,
+               bucket: int = 0, rank: int = 0) -> torch.Tensor:
+        """Payload of grad (+ residual); with a residual, leaves grad + residual - decoded in it."""
+        p0, p1 = self.wire_params(grad.numel())
+        return torch.ops.gradcomp.encode(grad, residual, self.name, p0, p1, self.seed, step, bucket, rank)
+
+    def decode_sum(self, payloads: torch.Tensor, out: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
+        """out = alpha * sum of the decoded payloads ([count, bytes] or one [bytes]); returns out."""
+        torch.ops.gradcomp.decode_sum(payloads, out, alpha, False)
+        return out
+
+    def summable_view(self, payload: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """For allreduce codecs: the payload's values as a tensor an allreduce can sum in place."""
+        if self.collective != "allreduce":
+            raise ValueError(f"{self.name} payloads are gathered, not summed")
+        wire = self.wire_dtype(dtype)
+        count = self.wire_params(numel)[0] if self.name == "randomk" else numel
+        return payload[HEADER_BYTES : HEADER_BYTES + count * wire.itemsize].view(wire)
+
+    def wire_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return dtype
+
+
+@_register("none", {}, "n values in the gradient's dtype; allreduce (plain DDP)")
+class NoCompression(PayloadCodec):
+    collective = "allreduce"
+
+
+@_register("fp16", {"error_feedback": False}, "n fp16 values (round to nearest even); allreduce")
+class Fp16(PayloadCodec):
+    collective = "allreduce"
+
+    def wire_dtype(self, dtype):
+        return torch.float16
+
+
+@_register("bf16", {"error_feedback": False}, "n bf16 values (round to nearest even); allreduce")
+class Bf16(PayloadCodec):
+    collective = "allreduce"
+
+    def wire_dtype(self, dtype):
+        return torch.bfloat16
+
+
+@_register("signsgd", {"vote": False, "error_feedback": True},
+           "n sign bits + fp32 mean |g|; allgather, sum of scaled signs or majority vote")
+class SignSGD(PayloadCodec):
+    def __init__(self, vote: bool = False, error_feedback: bool = True):
+        if not isinstance(vote, bool):
+            raise ValueError(f"signsgd: vote must be True or False, got {vote!r}")
+        super().__init__(error_feedback, vote=vote)
+        self.vote = vote
+
+    def decode_sum(self, payloads, out, alpha=1.0):
+        torch.ops.gradcomp.decode_sum(payloads, out, alpha, self.vote)
+        return out
+
+
+@_register("terngrad", {"seed": 0, "error_feedback": False},
+           "2n bits + fp32 max |g|, stochastic and unbiased; allgather")
+class TernGrad(PayloadCodec):
+    def __init__(self, seed: int = 0, error_feedback: bool = False):
+        super().__init__(error_feedback, seed=seed)
+        self.seed = _check_seed(self.name, seed)
+
+
+@_register("qsgd", {"levels": 15, "block": 512, "seed": 0, "error_feedback": False},
+           "sign + level per element, fp32 norm per block, stochastic and unbiased; allgather")
+class QSGD(PayloadCodec):
+    def __init__(self, levels: int = 15, block: int = 512, seed: int = 0, error_feedback: bool = False):
+        _check_range("qsgd", "levels", levels, 1, _ops._C.max_levels)
+        _check_range("qsgd", "block", block, 1, 2**40)
+        if not (isinstance(levels, int) and isinstance(block, int)):
+            raise ValueError(f"qsgd: levels and block must be integers, got levels={levels!r}, block={block!r}")
+        super().__init__(error_feedback, levels=levels, block=block, seed=seed)
+        self.levels, self.block, self.seed = levels, block, _check_seed(self.name, seed)
+
+    def wire_params(self, numel):
+        return self.levels, self.block
+
+
+@_register("topk", {"ratio": 0.01, "error_feedback": True},
+           "k = ceil(ratio*n) largest |g|: k int32 indices + k values; allgather")
+class TopK(PayloadCodec):
+    def __init__(self, ratio: float = 0.01, error_feedback: bool = True):
+        _check_range("topk", "ratio", ratio, 0, 1, low_open=True)
+        super().__init__(error_feedback, ratio=float(ratio))
+        self.ratio = float(ratio)
+
+    def wire_params(self, numel):
+        return count_for_ratio(self.ratio, numel), 0
+
+
+@_register("randomk", {"ratio": 0.01, "seed": 0, "error_feedback": True},
+           "k = ceil(ratio*n) values at indices shared by all ranks (seeded); allreduce")
+class RandomK(PayloadCodec):
+    collective = "allreduce"
+
+    def __init__(self, ratio: float = 0.01, seed: int = 0, error_feedback: bool = True):
+        _check_range("randomk", "ratio", ratio, 0, 1, low_open=True)
+        super().__init__(error_feedback, ratio=float(ratio), seed=seed)
+        self.ratio, self.seed = float(ratio), _check_seed(self.name, seed)
+
+    def wire_params(self, numel):
+        return count_for_ratio(self.ratio, numel), 0
