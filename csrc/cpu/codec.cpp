@@ -37,7 +37,8 @@ void encode_cpu(const EncodeArgs& args) {
   }
 }
 
-std::string validate_payloads(const uint8_t* payloads, int64_t count, int64_t stride) {
+std::string validate_payloads(const uint8_t* payloads, int64_t count, int64_t stride, int64_t out_numel,
+                              DType out_dtype) {
   if (count < 1) return "no payloads to decode";
   if (stride < kHeaderBytes)
     return "payload of " + std::to_string(stride) + " bytes is shorter than the " +
@@ -45,6 +46,11 @@ std::string validate_payloads(const uint8_t* payloads, int64_t count, int64_t st
   PayloadHeader first;
   std::memcpy(&first, payloads, sizeof first);
   if (const char* problem = header_problem(first)) return std::string("payload 0: ") + problem;
+  if (first.numel != out_numel || first.dtype != static_cast<uint8_t>(out_dtype))
+    return "the payload holds " + std::to_string(first.numel) + " elements of dtype id " +
+           std::to_string(first.dtype) + " but the output has " + std::to_string(out_numel) +
+           " elements of dtype id " + std::to_string(static_cast<int>(out_dtype)) +
+           " (ids: 0 float32, 1 float16, 2 bfloat16)";
   const int64_t expected = body_layout(first).total;
   if (stride != expected)
     return "payload holds " + std::to_string(stride) + " bytes but its header describes " +

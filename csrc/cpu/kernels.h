@@ -33,8 +33,10 @@ PayloadHeader make_header(Codec codec, DType dtype, int64_t numel, int64_t param
 void encode_cpu(const EncodeArgs& args);
 
 // Checks what decode_sum_cpu relies on: every header well formed and equal to the first, the
-// payload size exact, every index in range. Returns "" when the payloads are safe to decode.
-std::string validate_payloads(const uint8_t* payloads, int64_t count, int64_t stride);
+// payload size exact, the element count and dtype those of the output, every index in range.
+// Returns "" when the payloads are safe to decode into out_numel elements of out_dtype.
+std::string validate_payloads(const uint8_t* payloads, int64_t count, int64_t stride, int64_t out_numel,
+                              DType out_dtype);
 
 void decode_sum_cpu(const DecodeArgs& args);
 

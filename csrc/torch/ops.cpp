@@ -83,14 +83,11 @@ void decode_sum(const at::Tensor& payloads, at::Tensor& out, double alpha, bool 
   args.payloads = stacked.data_ptr<uint8_t>();
   args.count = stacked.size(0);
   args.stride = stacked.size(1);
-  const std::string problem = validate_payloads(args.payloads, args.count, args.stride);
+  const std::string problem =
+      validate_payloads(args.payloads, args.count, args.stride, out.numel(), wire_dtype(out, "out"));
   TORCH_CHECK_VALUE(problem.empty(), "gradcomp: cannot decode: ", problem);
   PayloadHeader h;
   std::memcpy(&h, args.payloads, sizeof h);
-  const DType dtype = wire_dtype(out, "out");
-  TORCH_CHECK_VALUE(dtype == static_cast<DType>(h.dtype) && out.numel() == h.numel,
-                    "gradcomp: out is ", out.scalar_type(), "[", out.numel(), "] but the payload holds ",
-                    h.numel, " elements of dtype id ", int(h.dtype), " (0 float32, 1 float16, 2 bfloat16)");
   TORCH_CHECK_VALUE(out.is_contiguous(), "gradcomp: out must be contiguous (it is written in place)");
   TORCH_CHECK_VALUE(!vote || static_cast<Codec>(h.codec) == Codec::SignSGD,
                     "gradcomp: vote=True applies to signsgd payloads only, not ", kCodecNames[h.codec]);

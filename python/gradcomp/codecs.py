@@ -128,7 +128,9 @@ class Codec:
         if not isinstance(error_feedback, bool):
             raise ValueError(f"{self.name}: error_feedback must be True or False, got {error_feedback!r}")
         self.error_feedback = error_feedback
-        self.params = dict(params, error_feedback=error_feedback)
+        self.params = dict(params)
+        if "error_feedback" in _REGISTRY[self.name][1]:
+            self.params["error_feedback"] = error_feedback
 
     def spec(self) -> str:
         return self.name + ":" + ",".join(f"{k}={v}" for k, v in sorted(self.params.items()))

@@ -1,0 +1,249 @@
+// The CPU codecs on raw pointers: error feedback, selection, decode-and-sum, validation.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "cpu/kernels.h"
+
+using namespace gradcomp;
+
+namespace {
+
+struct CodecCase {
+  Codec codec;
+  int64_t param0;  // k or levels (k given as a count here)
+  int64_t param1;
+};
+
+std::vector<float> gaussian(int64_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal;
+  std::vector<float> x(n);
+  for (auto& v : x) v = normal(rng);
+  return x;
+}
+
+std::vector<uint8_t> encode(const CodecCase& c, const std::vector<float>& grad, std::vector<float>* residual,
+                            uint32_t step = 0, uint32_t rank = 0) {
+  EncodeArgs args;
+  args.header = make_header(c.codec, DType::F32, grad.size(), c.param0, c.param1, RandomKey{11, step, 2, 0});
+  args.rank = rank;
+  args.grad = grad.data();
+  args.residual = residual ? residual->data() : nullptr;
+  std::vector<uint8_t> payload(body_layout(args.header).total, 0xAB);
+  args.payload = payload.data();
+  encode_cpu(args);
+  return payload;
+}
+
+std::vector<float> decode(const std::vector<uint8_t>& payloads, int64_t count, int64_t numel, float alpha = 1.0f,
+                          bool vote = false) {
+  const int64_t stride = payloads.size() / count;
+  EXPECT_EQ(validate_payloads(payloads.data(), count, stride, numel, DType::F32), "");
+  std::vector<float> out(numel, -7.0f);
+  DecodeArgs args;
+  args.payloads = payloads.data();
+  args.count = count;
+  args.stride = stride;
+  args.out = out.data();
+  args.alpha = alpha;
+  args.vote = vote;
+  decode_sum_cpu(args);
+  return out;
+}
+
+class EveryCodec : public ::testing::TestWithParam<CodecCase> {};
+
+TEST_P(EveryCodec, ErrorFeedbackKeepsWhatWasNotSent) {
+  const int64_t n = 3001;
+  const auto grad = gaussian(n, 1);
+  auto old_residual = gaussian(n, 2);
+  for (auto& r : old_residual) r *= 0.1f;
+  auto residual = old_residual;
+  const auto payload = encode(GetParam(), grad, &residual);
+  const auto decoded = decode(payload, 1, n);
+  for (int64_t i = 0; i < n; ++i) {
+    const float m = grad[i] + old_residual[i];
+    ASSERT_NEAR(decoded[i] + residual[i], m, 1e-5f * (1 + std::fabs(m))) << "element " << i;
+  }
+}
+
+TEST_P(EveryCodec, DecodeSumsPayloadsInOrderThenScales) {
+  const int64_t n = 2500;
+  std::vector<uint8_t> stacked;
+  std::vector<std::vector<float>> singles;
+  for (uint32_t rank = 0; rank < 3; ++rank) {
+    const auto payload = encode(GetParam(), gaussian(n, 10 + rank), nullptr, 5, rank);
+    stacked.insert(stacked.end(), payload.begin(), payload.end());
+    singles.push_back(decode(payload, 1, n));
+  }
+  const auto summed = decode(stacked, 3, n, 0.25f);
+  for (int64_t i = 0; i < n; ++i) {
+    float acc = 0.0f;
+    for (const auto& s : singles) acc += s[i];
+    ASSERT_EQ(summed[i], acc * 0.25f) << "element " << i;
+  }
+}
+
+TEST_P(EveryCodec, EmptyAndSingleElementTensors) {
+  for (int64_t n : {0, 1}) {
+    CodecCase c = GetParam();
+    if (c.codec == Codec::TopK || c.codec == Codec::RandomK) c.param0 = n;
+    std::vector<float> grad(n, -2.5f), residual(n, 0.5f);
+    const auto payload = encode(c, grad, &residual);
+    const auto decoded = decode(payload, 1, n);
+    for (int64_t i = 0; i < n; ++i) EXPECT_NEAR(decoded[i] + residual[i], -2.0f, 1e-6f);
+  }
+}
+
+TEST_P(EveryCodec, RefusesEveryTruncationAndHeaderCorruption) {
+  const int64_t n = 777;
+  const auto payload = encode(GetParam(), gaussian(n, 3), nullptr);
+  for (int64_t cut = 0; cut < static_cast<int64_t>(payload.size()); cut += 1 + cut / 4)
+    EXPECT_NE(validate_payloads(payload.data(), 1, cut, n, DType::F32), "") << "accepted " << cut << " bytes";
+  for (int byte = 0; byte < 16; ++byte) {  // magic, version, codec, dtype, reserved
+    auto bad = payload;
+    bad[byte] ^= 0x5A;
+    if (byte == 6) bad[byte] = 7;  // dtype id out of range
+    EXPECT_NE(validate_payloads(bad.data(), 1, bad.size(), n, DType::F32), "") << "accepted a corrupted byte " << byte;
+  }
+}
+
+TEST_P(EveryCodec, RandomBytesAfterAValidHeaderNeverEscapeTheOutput) {
+  // Whatever the body holds, a validated payload decodes inside out's bounds (ASan builds check).
+  const int64_t n = 1000;
+  auto payload = encode(GetParam(), gaussian(n, 4), nullptr);
+  std::mt19937 rng(5);
+  for (int trial = 0; trial < 50; ++trial) {
+    for (size_t i = kHeaderBytes; i < payload.size(); ++i) payload[i] = static_cast<uint8_t>(rng());
+    if (validate_payloads(payload.data(), 1, payload.size(), n, DType::F32) != "") continue;
+    std::vector<float> guarded(n + 64, 123.0f);
+    DecodeArgs args;
+    args.payloads = payload.data();
+    args.count = 1;
+    args.stride = payload.size();
+    args.out = guarded.data() + 32;
+    decode_sum_cpu(args);
+    for (int i = 0; i < 32; ++i) {
+      ASSERT_EQ(guarded[i], 123.0f);
+      ASSERT_EQ(guarded[n + 32 + i], 123.0f);
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Codecs, EveryCodec,
+                         ::testing::Values(CodecCase{Codec::None, 0, 0}, CodecCase{Codec::Fp16, 0, 0},
+                                           CodecCase{Codec::Bf16, 0, 0}, CodecCase{Codec::SignSGD, 0, 0},
+                                           CodecCase{Codec::TernGrad, 0, 0}, CodecCase{Codec::QSGD, 15, 100},
+                                           CodecCase{Codec::QSGD, 1, 7}, CodecCase{Codec::QSGD, 32767, 4096},
+                                           CodecCase{Codec::TopK, 17, 0}, CodecCase{Codec::RandomK, 17, 0}),
+                         [](const auto& info) {
+                           return std::string(kCodecNames[static_cast<int>(info.param.codec)]) + "_" +
+                                  std::to_string(info.index);
+                         });
+
+TEST(TopK, SelectsTheLargestMagnitudesWithLowerIndexOnTies) {
+  const int64_t n = 5000;
+  std::mt19937 rng(8);
+  std::vector<float> grad(n);
+  for (auto& v : grad) v = static_cast<float>(static_cast<int>(rng() % 41) - 20);  // many ties
+  for (int64_t k : {1, 7, 100, 2500, 5000}) {
+    const auto payload = encode({Codec::TopK, k, 0}, grad, nullptr);
+    std::vector<int64_t> order(n);
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int64_t a, int64_t b) { return std::fabs(grad[a]) > std::fabs(grad[b]); });
+    std::vector<int32_t> expected(order.begin(), order.begin() + k);
+    std::sort(expected.begin(), expected.end());
+    const int32_t* indices = reinterpret_cast<const int32_t*>(payload.data() + kHeaderBytes);
+    ASSERT_TRUE(std::equal(expected.begin(), expected.end(), indices)) << "k=" << k;
+  }
+}
+
+TEST(TopK, NanRanksAboveInfinity) {
+  std::vector<float> grad = {1.0f, -INFINITY, 3.0f, NAN, -2.0f};
+  const auto payload = encode({Codec::TopK, 2, 0}, grad, nullptr);
+  const int32_t* indices = reinterpret_cast<const int32_t*>(payload.data() + kHeaderBytes);
+  EXPECT_EQ(indices[0], 1);
+  EXPECT_EQ(indices[1], 3);
+}
+
+TEST(TopK, RefusesOutOfRangeIndices) {
+  const int64_t n = 100;
+  auto payload = encode({Codec::TopK, 5, 0}, gaussian(n, 6), nullptr);
+  int32_t* indices = reinterpret_cast<int32_t*>(payload.data() + kHeaderBytes);
+  for (int32_t bad : {-1, 100, 1 << 30}) {
+    const int32_t saved = indices[2];
+    indices[2] = bad;
+    EXPECT_NE(validate_payloads(payload.data(), 1, payload.size(), n, DType::F32), "") << bad;
+    indices[2] = saved;
+  }
+  EXPECT_EQ(validate_payloads(payload.data(), 1, payload.size(), n, DType::F32), "");
+}
+
+TEST(Validate, RefusesPayloadsThatDisagree) {
+  const int64_t n = 300;
+  const auto a = encode({Codec::SignSGD, 0, 0}, gaussian(n, 1), nullptr, 1);
+  const auto b = encode({Codec::SignSGD, 0, 0}, gaussian(n, 2), nullptr, 2);  // another step
+  std::vector<uint8_t> stacked(a);
+  stacked.insert(stacked.end(), b.begin(), b.end());
+  EXPECT_NE(validate_payloads(stacked.data(), 2, a.size(), n, DType::F32), "");
+}
+
+TEST(SignSGD, MajorityVote) {
+  // Three ranks: votes +,+,- -> +; scales sum to 6; alpha 1/3 gives magnitude 2.
+  std::vector<uint8_t> stacked;
+  const float rows[3][4] = {{1, 1, -1, 1}, {2, -2, -2, 2}, {-3, 3, -3, 3}};
+  for (const auto& row : rows) {
+    const auto p = encode({Codec::SignSGD, 0, 0}, std::vector<float>(row, row + 4), nullptr);
+    stacked.insert(stacked.end(), p.begin(), p.end());
+  }
+  const auto out = decode(stacked, 3, 4, 1.0f / 3, true);
+  const float magnitude = (1.0f / 3) * (1.0f + 2.0f + 3.0f);
+  EXPECT_EQ(out[0], magnitude);
+  EXPECT_EQ(out[1], magnitude);
+  EXPECT_EQ(out[2], -magnitude);
+  EXPECT_EQ(out[3], magnitude);
+}
+
+TEST(QSGD, LevelsStayWithinRangeAndDecodeIsUnbiased) {
+  const int64_t n = 64;
+  const auto grad = gaussian(n, 9);
+  std::vector<double> mean(n, 0.0);
+  const int trials = 4000;
+  for (int t = 0; t < trials; ++t) {
+    const auto decoded = decode(encode({Codec::QSGD, 3, 16}, grad, nullptr, t), 1, n);
+    for (int64_t i = 0; i < n; ++i) mean[i] += decoded[i] / trials;
+  }
+  for (int64_t b = 0; b < n; b += 16) {
+    double norm = 0;
+    for (int64_t i = b; i < b + 16; ++i) norm += double(grad[i]) * grad[i];
+    const double step = std::sqrt(norm) / 3;  // one level; per-trial deviation is at most a step
+    for (int64_t i = b; i < b + 16; ++i) EXPECT_NEAR(mean[i], grad[i], 5 * step / std::sqrt(trials)) << i;
+  }
+}
+
+TEST(Orthogonalize, ColumnsBecomeOrthonormal) {
+  const int64_t rows = 50, cols = 6;
+  auto m = gaussian(rows * cols, 12);
+  orthogonalize_cpu(m.data(), rows, cols, 0.0f);
+  for (int64_t a = 0; a < cols; ++a)
+    for (int64_t b = 0; b < cols; ++b) {
+      double dot = 0;
+      for (int64_t r = 0; r < rows; ++r) dot += double(m[r * cols + a]) * m[r * cols + b];
+      EXPECT_NEAR(dot, a == b ? 1.0 : 0.0, 1e-5) << a << "," << b;
+    }
+}
+
+TEST(Orthogonalize, DependentColumnBecomesZero) {
+  const int64_t rows = 4, cols = 2;
+  std::vector<float> m = {1, 2, 2, 4, 3, 6, 4, 8};  // column 1 = 2 * column 0
+  orthogonalize_cpu(m.data(), rows, cols, 1e-4f);
+  for (int64_t r = 0; r < rows; ++r) EXPECT_EQ(m[r * cols + 1], 0.0f);
+}
+
+}  // namespace

@@ -1,0 +1,38 @@
+"""torch.library.opcheck for every op: schema (mutations declared), fake kernels, autograd
+registration and AOT dispatch."""
+
+import pytest
+import torch
+from torch.library import opcheck
+
+import gradcomp  # noqa: F401  (registers torch.ops.gradcomp)
+
+# codec, param0, param1 for a 300-element gradient
+WIRE_CASES = [("none", 0, 0), ("fp16", 0, 0), ("bf16", 0, 0), ("signsgd", 0, 0), ("terngrad", 0, 0),
+              ("qsgd", 15, 64), ("topk", 9, 0), ("randomk", 9, 0)]
+
+
+@pytest.mark.parametrize("codec, param0, param1", WIRE_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_encode(codec, param0, param1, dtype, with_residual):
+    grad = torch.randn(300).to(dtype)
+    residual = torch.randn(300).to(dtype) if with_residual else None
+    opcheck(torch.ops.gradcomp.encode.default, (grad, residual, codec, param0, param1, 5, 3, 1, 0))
+
+
+@pytest.mark.parametrize("codec, param0, param1", WIRE_CASES)
+def test_decode_sum(codec, param0, param1):
+    payloads = torch.stack([torch.ops.gradcomp.encode(torch.randn(300), None, codec, param0, param1, 5, 3, 1, rank)
+                            for rank in range(3)])
+    opcheck(torch.ops.gradcomp.decode_sum.default, (payloads, torch.empty(300), 1 / 3, False))
+
+
+def test_decode_sum_vote():
+    payloads = torch.stack([torch.ops.gradcomp.encode(torch.randn(64), None, "signsgd") for _ in range(3)])
+    opcheck(torch.ops.gradcomp.decode_sum.default, (payloads, torch.empty(64), 0.5, True))
+
+
+@pytest.mark.parametrize("shape", [(40, 4), (3, 30, 2)])
+def test_orthogonalize(shape):
+    opcheck(torch.ops.gradcomp.orthogonalize_.default, (torch.randn(shape), 0.0))

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Installs everything gradcomp needs on a fresh Debian machine, then gradcomp itself.
+#   bash tools/install.sh            # CPU torch 2.13, build tools, test tools, gradcomp
+# Environment: TORCH_SPEC (default torch==2.13.0), GRADCOMP_CUDA (auto|ON|OFF), PYTHON (default python3).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
+
+need_apt=()
+[ -f /usr/src/googletest/CMakeLists.txt ] || [ -f /usr/lib/x86_64-linux-gnu/libgtest.a ] || [ -f /usr/lib/aarch64-linux-gnu/libgtest.a ] || need_apt+=(libgtest-dev)
+command -v cmake >/dev/null || need_apt+=(cmake)
+command -v ninja >/dev/null || need_apt+=(ninja-build)
+command -v g++ >/dev/null || need_apt+=(g++)
+if [ ${#need_apt[@]} -gt 0 ]; then
+  if [ "$(id -u)" != 0 ]; then
+    echo "gradcomp: please install with your package manager: ${need_apt[*]}" >&2
+    exit 1
+  fi
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}"
+fi
+
+# torch first and on its own: the extension is built against the torch that is installed.
+"$PYTHON" -c "import torch" 2>/dev/null || "$PYTHON" -m pip install -q "$TORCH_SPEC"
+"$PYTHON" -m pip install -q "scikit-build-core>=0.10" "pybind11>=2.12" numpy pytest matplotlib mnist1d
+"$PYTHON" -m pip install -q --no-build-isolation .
+"$PYTHON" -c "import gradcomp, torch; print('gradcomp', gradcomp.__version__, 'on torch', torch.__version__, '| CUDA codecs built:', gradcomp.cuda_built)"

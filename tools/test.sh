@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Runs the whole test suite: the GoogleTest suite of the torch-free kernels (ctest), then pytest
+# against the installed gradcomp. Exits non-zero on any failure, and when either ran no test.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+
+echo "== C++ kernels (GoogleTest) =="
+cmake -S . -B build/cpp-tests -G Ninja -DGRADCOMP_TESTS=ON -DGRADCOMP_PYTHON=OFF -DGRADCOMP_CUDA=OFF >/dev/null
+cmake --build build/cpp-tests
+ctest --test-dir build/cpp-tests --output-on-failure --no-tests=error -j2
+
+echo "== Python (pytest) =="
+# Run from outside the source tree so that the installed package is what gets imported.
+status=0
+(cd tests && "$PYTHON" -m pytest -q -p no:cacheprovider python "$@") || status=$?
+if [ "$status" = 5 ]; then
+  echo "pytest collected no tests: that is a failure here" >&2
+  exit 1
+fi
+exit "$status"
