@@ -4,8 +4,11 @@
 // result does not depend on thread count, chunking or device:
 //   * stochastic rounding: Philox4x32-10 (Salmon et al., SC'11) with
 //       key     = (seed & 0xFFFFFFFF, seed >> 32)
-//       counter = (element >> 2, step, bucket, rank)
-//     element e takes 32-bit word (e & 3) of that block, as u = (word >> 8) * 2^-24 in [0, 1).
+//       counter = (group, step, bucket, rank)
+//     Elements go in tiles of 64: element e takes 32-bit word w = (e >> 4) & 3 of the block of
+//     group = (e >> 6) * 16 + (e & 15), as u = (word >> 8) * 2^-24 in [0, 1). So the 16 groups of a
+//     tile give its elements 16 at a time, in order, one word each: SIMD lanes and GPU threads
+//     need no transposition.
 //   * random-k indices: a keyed pseudo-random permutation pi of [0, n), the same on every rank:
 //     a 4-round balanced Feistel network on 2h bits (2^(2h) >= n, h >= 1) with cycle walking.
 //     Round keys are the four words of Philox(counter = (0, step, bucket, 0xFFFFFFFF), key);
@@ -47,10 +50,15 @@ GC_HD Philox4 philox4x32_10(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3, 
   return Philox4{{c0, c1, c2, c3}};
 }
 
-// The Philox block holding the random words of elements [4 * group, 4 * group + 4).
+// The Philox block of a group; see the file comment for which elements it serves.
 GC_HD Philox4 rounding_block(const RandomKey& key, uint64_t group) {
   return philox4x32_10(static_cast<uint32_t>(group), key.step, key.bucket, key.rank,
                        static_cast<uint32_t>(key.seed), static_cast<uint32_t>(key.seed >> 32));
+}
+
+// The random word of element e (one Philox evaluation; bulk code shares blocks instead).
+GC_HD uint32_t rounding_word(const RandomKey& key, uint64_t e) {
+  return rounding_block(key, (e >> 6) * 16 + (e & 15)).v[(e >> 4) & 3];
 }
 
 GC_HD float unit_uniform(uint32_t word) { return static_cast<float>(word >> 8) * 0x1.0p-24f; }

@@ -1,21 +1,45 @@
-// Helpers shared by the CPU codec files: element access and the chunked decode-and-sum loop.
+// Helpers shared by the CPU codec files: element access, error-feedback chunks and the chunked
+// decode-and-sum loop. Loops are written branch-free over small chunks so that the compiler
+// vectorizes them in each instruction-set variant (see CMakeLists.txt).
 #pragma once
 
 #include <algorithm>
+#include <type_traits>
 
 #include "kernels.h"
+
+// The per-codec files are compiled once per instruction-set variant, each into its own namespace.
+#ifndef GC_CODECS_NS
+#define GC_CODECS_NS codecs_base
+#endif
 
 namespace gradcomp {
 
 // The gradient plus the old residual, in fp32: what a codec compresses under error feedback.
-template <typename T>
+template <bool kResidual, typename T>
 inline float compensated(const T* grad, const T* residual, int64_t i) {
-  return residual ? to_float(grad[i]) + to_float(residual[i]) : to_float(grad[i]);
+  if constexpr (kResidual) return to_float(grad[i]) + to_float(residual[i]);
+  return to_float(grad[i]);
 }
 
+template <bool kResidual, typename T>
+inline void load_compensated(const T* grad, const T* residual, int64_t begin, int64_t len, float* m) {
+  for (int64_t i = 0; i < len; ++i) m[i] = compensated<kResidual>(grad, residual, begin + i);
+}
+
+// residual = m - decoded over one chunk.
 template <typename T>
-inline void store_residual(T* residual, int64_t i, float compensated_value, float decoded) {
-  if (residual) residual[i] = from_float<T>(compensated_value - decoded);
+inline void store_residuals(T* residual, int64_t begin, int64_t len, const float* m, const float* decoded) {
+  for (int64_t i = 0; i < len; ++i) residual[begin + i] = from_float<T>(m[i] - decoded[i]);
+}
+
+// Calls f(grad_type, std::bool_constant<has residual>) for an encode call.
+template <typename F>
+void visit_encode(const EncodeArgs& a, F&& f) {
+  visit_dtype(static_cast<DType>(a.header.dtype), [&](auto* t) {
+    if (a.residual) f(t, std::true_type{});
+    else f(t, std::false_type{});
+  });
 }
 
 constexpr int64_t kDecodeChunk = 2048;

@@ -1,9 +1,61 @@
 // Codec dispatch and payload validation for the CPU path.
+#include <cstdlib>
 #include <cstring>
 
 #include "kernels.h"
 
 namespace gradcomp {
+namespace {
+
+struct CodecTable {
+  const char* isa;
+  void (*encode[kNumCodecs])(const EncodeArgs&);
+  void (*decode[kNumCodecs])(const DecodeArgs&, const PayloadHeader&);
+};
+
+#define GRADCOMP_CODEC_TABLE(ns, name)                                                              \
+  CodecTable{name,                                                                                \
+             {ns::encode_dense, ns::encode_dense, ns::encode_dense, ns::encode_signsgd,             \
+              ns::encode_terngrad, ns::encode_qsgd, ns::encode_topk, ns::encode_randomk},           \
+             {ns::decode_dense, ns::decode_dense, ns::decode_dense, ns::decode_signsgd,             \
+              ns::decode_terngrad, ns::decode_qsgd, ns::decode_topk, ns::decode_randomk}}
+
+bool cpu_has(const char* feature_set) {
+#if defined(__x86_64__) && defined(GRADCOMP_X86_VARIANTS)
+  __builtin_cpu_init();
+  if (std::strcmp(feature_set, "avx2") == 0)
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c") &&
+           __builtin_cpu_supports("bmi2");
+  if (std::strcmp(feature_set, "avx512") == 0)
+    return cpu_has("avx2") && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+           __builtin_cpu_supports("avx512cd");
+#endif
+  (void)feature_set;
+  return false;
+}
+
+const CodecTable& codec_table() {
+  static const CodecTable table = [] {
+    // GRADCOMP_CPU_ISA caps the variant (base < avx2 < avx512); unset means the best the CPU has.
+    const char* cap = std::getenv("GRADCOMP_CPU_ISA");
+    const bool capped_base = cap && std::strcmp(cap, "base") == 0;
+    const bool capped_avx2 = cap && std::strcmp(cap, "avx2") == 0;
+#if defined(GRADCOMP_X86_VARIANTS)
+    if (!capped_base && !capped_avx2 && cpu_has("avx512")) return GRADCOMP_CODEC_TABLE(codecs_avx512, "avx512");
+    if (!capped_base && cpu_has("avx2")) return GRADCOMP_CODEC_TABLE(codecs_avx2, "avx2");
+#else
+    (void)capped_base;
+    (void)capped_avx2;
+#endif
+    return GRADCOMP_CODEC_TABLE(codecs_base, "base");
+  }();
+  return table;
+}
+
+}  // namespace
+
+const char* cpu_isa() { return codec_table().isa; }
 
 PayloadHeader make_header(Codec codec, DType dtype, int64_t numel, int64_t param0, int64_t param1,
                           const RandomKey& key) {
@@ -25,16 +77,19 @@ void encode_cpu(const EncodeArgs& args) {
   const BodyLayout layout = body_layout(args.header);
   std::memcpy(args.payload, &args.header, sizeof(PayloadHeader));
   std::memset(args.payload + layout.end, 0, layout.total - layout.end);
-  switch (static_cast<Codec>(args.header.codec)) {
-    case Codec::None:
-    case Codec::Fp16:
-    case Codec::Bf16: codecs::encode_dense(args); break;
-    case Codec::SignSGD: codecs::encode_signsgd(args); break;
-    case Codec::TernGrad: codecs::encode_terngrad(args); break;
-    case Codec::QSGD: codecs::encode_qsgd(args); break;
-    case Codec::TopK: codecs::encode_topk(args); break;
-    case Codec::RandomK: codecs::encode_randomk(args); break;
+  codec_table().encode[args.header.codec](args);
+}
+
+std::string validate_topk_indices(const uint8_t* payload, const PayloadHeader& h) {
+  const BodyLayout layout = body_layout(h);
+  for (int64_t j = 0; j < h.param0; ++j) {
+    int32_t index;
+    std::memcpy(&index, payload + layout.codes + 4 * j, sizeof index);
+    if (index < 0 || index >= h.numel)
+      return "index " + std::to_string(index) + " at position " + std::to_string(j) + " is outside [0, " +
+             std::to_string(h.numel) + ")";
   }
+  return "";
 }
 
 std::string validate_payloads(const uint8_t* payloads, int64_t count, int64_t stride, int64_t out_numel,
@@ -62,7 +117,7 @@ std::string validate_payloads(const uint8_t* payloads, int64_t count, int64_t st
   }
   if (static_cast<Codec>(first.codec) == Codec::TopK) {
     for (int64_t p = 0; p < count; ++p) {
-      std::string problem = codecs::validate_topk_indices(payloads + p * stride, first);
+      std::string problem = validate_topk_indices(payloads + p * stride, first);
       if (!problem.empty()) return "payload " + std::to_string(p) + ": " + problem;
     }
   }
@@ -72,16 +127,7 @@ std::string validate_payloads(const uint8_t* payloads, int64_t count, int64_t st
 void decode_sum_cpu(const DecodeArgs& args) {
   PayloadHeader h;
   std::memcpy(&h, args.payloads, sizeof h);
-  switch (static_cast<Codec>(h.codec)) {
-    case Codec::None:
-    case Codec::Fp16:
-    case Codec::Bf16: codecs::decode_dense(args, h); break;
-    case Codec::SignSGD: codecs::decode_signsgd(args, h); break;
-    case Codec::TernGrad: codecs::decode_terngrad(args, h); break;
-    case Codec::QSGD: codecs::decode_qsgd(args, h); break;
-    case Codec::TopK: codecs::decode_topk(args, h); break;
-    case Codec::RandomK: codecs::decode_randomk(args, h); break;
-  }
+  codec_table().decode[h.codec](args, h);
 }
 
 }  // namespace gradcomp

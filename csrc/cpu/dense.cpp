@@ -2,18 +2,26 @@
 // (round-to-nearest-even). Body: n values of the wire type.
 #include "chunked.h"
 
-namespace gradcomp::codecs {
+namespace gradcomp::GC_CODECS_NS {
 namespace {
 
-template <typename T, typename W>
+constexpr int64_t kChunk = 256;
+
+template <typename T, typename W, bool kResidual>
 void encode_as(const EncodeArgs& a) {
   const T* grad = static_cast<const T*>(a.grad);
   T* residual = static_cast<T*>(a.residual);
   W* wire = field<W>(a.payload, kHeaderBytes);
-  for (int64_t i = 0; i < a.header.numel; ++i) {
-    const float m = compensated(grad, residual, i);
-    wire[i] = from_float<W>(m);
-    store_residual(residual, i, m, to_float(wire[i]));
+  const int64_t n = a.header.numel;
+  float m[kChunk], decoded[kChunk];
+  for (int64_t begin = 0; begin < n; begin += kChunk) {
+    const int64_t len = std::min(kChunk, n - begin);
+    load_compensated<kResidual>(grad, residual, begin, len, m);
+    for (int64_t i = 0; i < len; ++i) {
+      wire[begin + i] = from_float<W>(m[i]);
+      decoded[i] = to_float(wire[begin + i]);
+    }
+    if constexpr (kResidual) store_residuals(residual, begin, len, m, decoded);
   }
 }
 
@@ -42,7 +50,10 @@ void visit_wire(const PayloadHeader& h, F&& f) {
 
 void encode_dense(const EncodeArgs& a) {
   visit_wire(a.header, [&](auto* t, auto* w) {
-    encode_as<std::remove_pointer_t<decltype(t)>, std::remove_pointer_t<decltype(w)>>(a);
+    using T = std::remove_pointer_t<decltype(t)>;
+    using W = std::remove_pointer_t<decltype(w)>;
+    if (a.residual) encode_as<T, W, true>(a);
+    else encode_as<T, W, false>(a);
   });
 }
 
@@ -52,4 +63,4 @@ void decode_dense(const DecodeArgs& a, const PayloadHeader& h) {
   });
 }
 
-}  // namespace gradcomp::codecs
+}  // namespace gradcomp::GC_CODECS_NS

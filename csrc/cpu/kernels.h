@@ -44,22 +44,33 @@ void decode_sum_cpu(const DecodeArgs& args);
 // Gram-Schmidt); a column whose norm falls below eps after projection becomes zero.
 void orthogonalize_cpu(float* matrix, int64_t rows, int64_t cols, float eps);
 
-// Per-codec entry points, one file each.
-namespace codecs {
-void encode_dense(const EncodeArgs&);
-void decode_dense(const DecodeArgs&, const PayloadHeader&);
-void encode_signsgd(const EncodeArgs&);
-void decode_signsgd(const DecodeArgs&, const PayloadHeader&);
-void encode_terngrad(const EncodeArgs&);
-void decode_terngrad(const DecodeArgs&, const PayloadHeader&);
-void encode_qsgd(const EncodeArgs&);
-void decode_qsgd(const DecodeArgs&, const PayloadHeader&);
-void encode_topk(const EncodeArgs&);
+// Per-codec entry points, one file each, compiled once per instruction-set variant into its own
+// namespace; encode_cpu / decode_sum_cpu pick the variant the running CPU supports.
+#define GRADCOMP_DECLARE_CODECS(ns)                                                 \
+  namespace ns {                                                                    \
+  void encode_dense(const EncodeArgs&);                                             \
+  void decode_dense(const DecodeArgs&, const PayloadHeader&);                       \
+  void encode_signsgd(const EncodeArgs&);                                           \
+  void decode_signsgd(const DecodeArgs&, const PayloadHeader&);                     \
+  void encode_terngrad(const EncodeArgs&);                                          \
+  void decode_terngrad(const DecodeArgs&, const PayloadHeader&);                    \
+  void encode_qsgd(const EncodeArgs&);                                              \
+  void decode_qsgd(const DecodeArgs&, const PayloadHeader&);                        \
+  void encode_topk(const EncodeArgs&);                                              \
+  void decode_topk(const DecodeArgs&, const PayloadHeader&);                        \
+  void encode_randomk(const EncodeArgs&);                                           \
+  void decode_randomk(const DecodeArgs&, const PayloadHeader&);                     \
+  }
+GRADCOMP_DECLARE_CODECS(codecs_base)
+GRADCOMP_DECLARE_CODECS(codecs_avx2)
+GRADCOMP_DECLARE_CODECS(codecs_avx512)
+
+// Which variant encode_cpu / decode_sum_cpu use: "avx512", "avx2" or "base". Setting the
+// environment variable GRADCOMP_CPU_ISA to a lower one (e.g. base) forces it, for tests.
+const char* cpu_isa();
+
+// Bounds check of a topk payload's indices (shared by every variant).
 std::string validate_topk_indices(const uint8_t* payload, const PayloadHeader&);
-void decode_topk(const DecodeArgs&, const PayloadHeader&);
-void encode_randomk(const EncodeArgs&);
-void decode_randomk(const DecodeArgs&, const PayloadHeader&);
-}  // namespace codecs
 
 // Calls f with a null pointer of the C++ element type for a wire dtype.
 template <typename F>

@@ -1,18 +1,20 @@
 // qsgd with s levels and blocks of B elements. Per block: norm = ||m_block||_2 (canonical
-// summation order, fp32 result); element m becomes sign(m) * level * (norm / s) where
-// r = |m| * (s / norm), level = floor(r) + (coin < r - floor(r)), 0 <= level <= s, so the decoded
-// value is unbiased. Body: ceil(n / B) fp32 norms, then a little-endian bit stream of n codes of
-// w = 1 + ceil(log2(s + 1)) bits: code = (level << 1) | (m < 0), element i at bits [i*w, i*w + w).
-// The coin of element i is unit_uniform(word i % 4 of rounding_block(key, i / 4)).
+// summation order of m * m, fp32 result); element m becomes sign(m) * level * (norm / s) where
+// r = |m| * (s / norm), level = floor(r) + (u < r - floor(r)), 0 <= level <= s, so the decoded
+// value is unbiased; u = unit_uniform(rounding_word(key, i)) for element i. Body: ceil(n / B)
+// fp32 norms, then a little-endian bit stream of n codes of w = 1 + ceil(log2(s + 1)) bits:
+// code = (level << 1) | (m < 0), element i at bits [i*w, i*w + w).
 // A block holding NaN or Inf has a non-finite norm and decodes as NaN.
 #include <cmath>
 
-#include "../common/random.h"
 #include "../common/reduce.h"
 #include "chunked.h"
+#include "simd.h"
 
-namespace gradcomp::codecs {
+namespace gradcomp::GC_CODECS_NS {
 namespace {
+
+constexpr int64_t kPair = 2 * kTile;  // elements per batch of random words
 
 struct BitWriter {
   uint8_t* out;
@@ -49,7 +51,22 @@ struct BitReader {
   }
 };
 
-template <typename T>
+// The uniforms of one 128-element pair, regenerated only when the pair changes.
+struct PairUniforms {
+  explicit PairUniforms(const RandomKey& k) : key(k) {}
+  RandomKey key;
+  int64_t pair = -1;
+  float u[kPair];
+  const float* at(int64_t element) {
+    if (element / kPair != pair) {
+      pair = element / kPair;
+      tile_uniforms_x2(key, static_cast<uint64_t>(pair), u);
+    }
+    return u + element % kPair;
+  }
+};
+
+template <typename T, bool kResidual>
 void encode_typed(const EncodeArgs& a) {
   const T* grad = static_cast<const T*>(a.grad);
   T* residual = static_cast<T*>(a.residual);
@@ -60,31 +77,38 @@ void encode_typed(const EncodeArgs& a) {
   const BodyLayout layout = body_layout(h);
   float* norms = field<float>(a.payload, layout.scales);
   BitWriter writer{a.payload + layout.codes};
-  const RandomKey key{h.seed, h.step, h.bucket, a.rank};
-  Philox4 random{};
+  PairUniforms random{RandomKey{h.seed, h.step, h.bucket, a.rank}};
+  float m[kPair], decoded[kPair];
+  uint32_t code[kPair];
   for (int64_t begin = 0, b = 0; begin < n; begin += block, ++b) {
-    const int64_t len = std::min(block, n - begin);
-    const double squares = canonical_sum(len, [&](int64_t i) {
-      const float m = compensated(grad, residual, begin + i);
-      return m * m;
+    const int64_t end = std::min(begin + block, n);
+    const double squares = canonical_sum(end - begin, [&](int64_t i) {
+      const float v = compensated<kResidual>(grad, residual, begin + i);
+      return v * v;
     });
     const float norm = std::sqrt(static_cast<float>(squares));
     norms[b] = norm;
     const float inverse = norm > 0.0f && is_finite(norm) ? levels / norm : 0.0f;
     const float step = norm / levels;
-    for (int64_t e = begin; e < begin + len; ++e) {
-      if ((e & 3) == 0 || e == begin) random = rounding_block(key, static_cast<uint64_t>(e >> 2));
-      const float m = compensated(grad, residual, e);
-      float r = __builtin_fabsf(m) * inverse;
-      if (!(r >= 0.0f)) r = 0.0f;
-      if (r > levels) r = levels;
-      const float floor_r = std::floor(r);
-      const uint32_t level =
-          static_cast<uint32_t>(floor_r) + (unit_uniform(random.v[e & 3]) < r - floor_r ? 1u : 0u);
-      const bool negative = m < 0.0f;
-      writer.put((level << 1) | static_cast<uint32_t>(negative), bits);
-      const float magnitude = static_cast<float>(level) * step;
-      store_residual(residual, e, m, negative ? -magnitude : magnitude);
+    // Pieces of the block that stay inside one pair of random tiles.
+    for (int64_t piece = begin; piece < end;) {
+      const int64_t len = std::min(end, (piece / kPair + 1) * kPair) - piece;
+      const float* u = random.at(piece);
+      load_compensated<kResidual>(grad, residual, piece, len, m);
+      for (int64_t i = 0; i < len; ++i) {
+        float r = __builtin_fabsf(m[i]) * inverse;
+        r = r >= 0.0f ? r : 0.0f;  // NaN -> 0
+        r = r > levels ? levels : r;
+        const float floor_r = std::floor(r);
+        const uint32_t level = static_cast<uint32_t>(floor_r) + (u[i] < r - floor_r ? 1u : 0u);
+        const bool negative = m[i] < 0.0f;
+        code[i] = (level << 1) | static_cast<uint32_t>(negative);
+        const float magnitude = static_cast<float>(level) * step;
+        decoded[i] = negative ? -magnitude : magnitude;
+      }
+      for (int64_t i = 0; i < len; ++i) writer.put(code[i], bits);
+      if constexpr (kResidual) store_residuals(residual, piece, len, m, decoded);
+      piece += len;
     }
   }
   writer.flush();
@@ -118,8 +142,9 @@ void decode_typed(const DecodeArgs& a, const PayloadHeader& h) {
 }  // namespace
 
 void encode_qsgd(const EncodeArgs& a) {
-  visit_dtype(static_cast<DType>(a.header.dtype),
-              [&](auto* t) { encode_typed<std::remove_pointer_t<decltype(t)>>(a); });
+  visit_encode(a, [&](auto* t, auto has_residual) {
+    encode_typed<std::remove_pointer_t<decltype(t)>, decltype(has_residual)::value>(a);
+  });
 }
 
 void decode_qsgd(const DecodeArgs& a, const PayloadHeader& h) {
@@ -127,4 +152,4 @@ void decode_qsgd(const DecodeArgs& a, const PayloadHeader& h) {
               [&](auto* t) { decode_typed<std::remove_pointer_t<decltype(t)>>(a, h); });
 }
 
-}  // namespace gradcomp::codecs
+}  // namespace gradcomp::GC_CODECS_NS

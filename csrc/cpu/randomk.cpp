@@ -5,7 +5,7 @@
 // Error feedback leaves M in the residual with the sent elements zeroed.
 #include "chunked.h"
 
-namespace gradcomp::codecs {
+namespace gradcomp::GC_CODECS_NS {
 namespace {
 
 template <typename T>
@@ -52,4 +52,4 @@ void decode_randomk(const DecodeArgs& a, const PayloadHeader& h) {
               [&](auto* t) { decode_typed<std::remove_pointer_t<decltype(t)>>(a, h); });
 }
 
-}  // namespace gradcomp::codecs
+}  // namespace gradcomp::GC_CODECS_NS

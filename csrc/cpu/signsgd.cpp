@@ -2,44 +2,45 @@
 // (m = gradient + residual). Body: scale, then ceil(n / 8) bytes; element i is bit (i % 8) of
 // byte i / 8, 1 for "+" (m >= 0, or NaN) and 0 for "-" (m < 0). Element i decodes to +scale or
 // -scale. With vote, decode-and-sum gives alpha * (sum of scales) * sign(sum of signs), 0 on a tie.
+#include <cstring>
 #include <vector>
 
 #include "../common/reduce.h"
 #include "chunked.h"
 
-namespace gradcomp::codecs {
+namespace gradcomp::GC_CODECS_NS {
 namespace {
 
-template <typename T>
-float mean_abs(const T* grad, const T* residual, int64_t n) {
-  const double total =
-      canonical_sum(n, [&](int64_t i) { return __builtin_fabsf(compensated(grad, residual, i)); });
-  return n > 0 ? static_cast<float>(total / static_cast<double>(n)) : 0.0f;
-}
+constexpr int64_t kChunk = 256;  // a multiple of 8: chunks start on whole bytes
 
-template <typename T>
+template <typename T, bool kResidual>
 void encode_typed(const EncodeArgs& a) {
   const T* grad = static_cast<const T*>(a.grad);
   T* residual = static_cast<T*>(a.residual);
   const int64_t n = a.header.numel;
-  const float scale = mean_abs(grad, residual, n);
+  const double total =
+      canonical_sum(n, [&](int64_t i) { return __builtin_fabsf(compensated<kResidual>(grad, residual, i)); });
+  const float scale = n > 0 ? static_cast<float>(total / static_cast<double>(n)) : 0.0f;
   *field<float>(a.payload, kHeaderBytes) = scale;
   uint8_t* bits = a.payload + body_layout(a.header).codes;
-  for (int64_t byte = 0; byte * 8 < n; ++byte) {
-    const int64_t begin = byte * 8;
-    const int64_t len = std::min<int64_t>(8, n - begin);
-    uint32_t packed = 0;
-    for (int64_t j = 0; j < len; ++j) {
-      const float m = compensated(grad, residual, begin + j);
-      const bool positive = !(m < 0.0f);
-      packed |= static_cast<uint32_t>(positive) << j;
-      store_residual(residual, begin + j, m, positive ? scale : -scale);
+  float m[kChunk], decoded[kChunk];
+  uint8_t positive[kChunk];
+  for (int64_t begin = 0; begin < n; begin += kChunk) {
+    const int64_t len = std::min(kChunk, n - begin);
+    load_compensated<kResidual>(grad, residual, begin, len, m);
+    for (int64_t i = 0; i < len; ++i) {
+      positive[i] = !(m[i] < 0.0f);
+      decoded[i] = positive[i] ? scale : -scale;
     }
-    bits[byte] = static_cast<uint8_t>(packed);
+    for (int64_t i = len; i < ceil_div(len, 8) * 8; ++i) positive[i] = 0;
+    for (int64_t byte = 0; byte < ceil_div(len, 8); ++byte) {
+      const uint8_t* p = positive + 8 * byte;
+      bits[begin / 8 + byte] = static_cast<uint8_t>(p[0] | p[1] << 1 | p[2] << 2 | p[3] << 3 | p[4] << 4 |
+                                                    p[5] << 5 | p[6] << 6 | p[7] << 7);
+    }
+    if constexpr (kResidual) store_residuals(residual, begin, len, m, decoded);
   }
 }
-
-inline bool sign_bit(const uint8_t* bits, int64_t i) { return (bits[i >> 3] >> (i & 7)) & 1; }
 
 template <typename T>
 void decode_typed(const DecodeArgs& a, const PayloadHeader& h) {
@@ -47,8 +48,8 @@ void decode_typed(const DecodeArgs& a, const PayloadHeader& h) {
   if (!a.vote) {
     sum_payloads<T>(a, h.numel, [&](const uint8_t* payload, int64_t begin, int64_t len, float* acc) {
       const float scale = *field<float>(payload, kHeaderBytes);
-      const uint8_t* bits = payload + codes;
-      for (int64_t i = 0; i < len; ++i) acc[i] += sign_bit(bits, begin + i) ? scale : -scale;
+      const uint8_t* bits = payload + codes + begin / 8;
+      for (int64_t i = 0; i < len; ++i) acc[i] += ((bits[i >> 3] >> (i & 7)) & 1) ? scale : -scale;
     });
     return;
   }
@@ -61,8 +62,8 @@ void decode_typed(const DecodeArgs& a, const PayloadHeader& h) {
     const int64_t len = std::min(kDecodeChunk, h.numel - begin);
     std::fill(votes.begin(), votes.begin() + len, 0);
     for (int64_t p = 0; p < a.count; ++p) {
-      const uint8_t* bits = a.payloads + p * a.stride + codes;
-      for (int64_t i = 0; i < len; ++i) votes[i] += sign_bit(bits, begin + i) ? 1 : -1;
+      const uint8_t* bits = a.payloads + p * a.stride + codes + begin / 8;
+      for (int64_t i = 0; i < len; ++i) votes[i] += ((bits[i >> 3] >> (i & 7)) & 1) ? 1 : -1;
     }
     for (int64_t i = 0; i < len; ++i)
       out[begin + i] = from_float<T>(votes[i] > 0 ? magnitude : votes[i] < 0 ? -magnitude : 0.0f);
@@ -72,8 +73,9 @@ void decode_typed(const DecodeArgs& a, const PayloadHeader& h) {
 }  // namespace
 
 void encode_signsgd(const EncodeArgs& a) {
-  visit_dtype(static_cast<DType>(a.header.dtype),
-              [&](auto* t) { encode_typed<std::remove_pointer_t<decltype(t)>>(a); });
+  visit_encode(a, [&](auto* t, auto has_residual) {
+    encode_typed<std::remove_pointer_t<decltype(t)>, decltype(has_residual)::value>(a);
+  });
 }
 
 void decode_signsgd(const DecodeArgs& a, const PayloadHeader& h) {
@@ -81,4 +83,4 @@ void decode_signsgd(const DecodeArgs& a, const PayloadHeader& h) {
               [&](auto* t) { decode_typed<std::remove_pointer_t<decltype(t)>>(a, h); });
 }
 
-}  // namespace gradcomp::codecs
+}  // namespace gradcomp::GC_CODECS_NS

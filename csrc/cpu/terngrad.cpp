@@ -1,46 +1,53 @@
 // terngrad: each element becomes q * scale with q in {-1, 0, +1} and scale = max |m| over the
 // bucket; q = sign(m) with probability |m| / scale (so the decoded value is unbiased), else 0.
 // Body: fp32 scale, then ceil(n / 4) bytes of 2-bit codes, element i at bits 2 * (i % 4) of byte
-// i / 4: bit 0 "non-zero", bit 1 "negative". The coin of element i is
-// unit_uniform(word i % 4 of rounding_block(key, i / 4)) < |m| * (1 / scale).
+// i / 4: bit 0 "non-zero", bit 1 "negative". Element i is non-zero when
+// unit_uniform(rounding_word(key, i)) < |m| * (1 / scale).
 // A NaN or Inf anywhere makes the scale non-finite, and the whole bucket then decodes as NaN.
-#include "../common/random.h"
 #include "chunked.h"
+#include "simd.h"
 
-namespace gradcomp::codecs {
+namespace gradcomp::GC_CODECS_NS {
 namespace {
 
-template <typename T>
+constexpr int64_t kChunk = 2 * kTile;  // one pair of random tiles
+
+template <typename T, bool kResidual>
 float max_abs(const T* grad, const T* residual, int64_t n) {
   uint32_t key = 0;  // magnitude keys order like |m| and put NaN above Inf
-  for (int64_t i = 0; i < n; ++i) key = std::max(key, magnitude_key(compensated(grad, residual, i)));
+  for (int64_t i = 0; i < n; ++i) key = std::max(key, magnitude_key(compensated<kResidual>(grad, residual, i)));
   return bits_float(key);
 }
 
-template <typename T>
+template <typename T, bool kResidual>
 void encode_typed(const EncodeArgs& a) {
   const T* grad = static_cast<const T*>(a.grad);
   T* residual = static_cast<T*>(a.residual);
   const int64_t n = a.header.numel;
-  const float scale = max_abs(grad, residual, n);
+  const float scale = max_abs<T, kResidual>(grad, residual, n);
   const float inverse = scale > 0.0f && is_finite(scale) ? 1.0f / scale : 0.0f;
   *field<float>(a.payload, kHeaderBytes) = scale;
   uint8_t* codes = a.payload + body_layout(a.header).codes;
   const RandomKey key{a.header.seed, a.header.step, a.header.bucket, a.rank};
-  for (int64_t group = 0; group * 4 < n; ++group) {
-    const Philox4 random = rounding_block(key, static_cast<uint64_t>(group));
-    const int64_t begin = group * 4;
-    const int64_t len = std::min<int64_t>(4, n - begin);
-    uint32_t packed = 0;
-    for (int64_t j = 0; j < len; ++j) {
-      const float m = compensated(grad, residual, begin + j);
-      const bool nonzero = unit_uniform(random.v[j]) < __builtin_fabsf(m) * inverse;
-      const bool negative = m < 0.0f;
+  float m[kChunk], uniform[kChunk], decoded[kChunk];
+  uint8_t code[kChunk];
+  for (int64_t begin = 0; begin < n; begin += kChunk) {
+    const int64_t len = std::min(kChunk, n - begin);
+    load_compensated<kResidual>(grad, residual, begin, len, m);
+    tile_uniforms_x2(key, static_cast<uint64_t>(begin / kChunk), uniform);
+    for (int64_t i = 0; i < len; ++i) {
+      const bool nonzero = uniform[i] < __builtin_fabsf(m[i]) * inverse;
+      const bool negative = m[i] < 0.0f;
       const float q = nonzero ? (negative ? -1.0f : 1.0f) : 0.0f;
-      packed |= (static_cast<uint32_t>(nonzero) | (static_cast<uint32_t>(nonzero && negative) << 1)) << (2 * j);
-      store_residual(residual, begin + j, m, q * scale);
+      decoded[i] = q * scale;
+      code[i] = static_cast<uint8_t>(nonzero | ((nonzero & negative) << 1));
     }
-    codes[group] = static_cast<uint8_t>(packed);
+    for (int64_t i = len; i < ceil_div(len, 4) * 4; ++i) code[i] = 0;
+    for (int64_t byte = 0; byte < ceil_div(len, 4); ++byte) {
+      const uint8_t* c = code + 4 * byte;
+      codes[begin / 4 + byte] = static_cast<uint8_t>(c[0] | c[1] << 2 | c[2] << 4 | c[3] << 6);
+    }
+    if constexpr (kResidual) store_residuals(residual, begin, len, m, decoded);
   }
 }
 
@@ -49,10 +56,9 @@ void decode_typed(const DecodeArgs& a, const PayloadHeader& h) {
   const int64_t offset = body_layout(h).codes;
   sum_payloads<T>(a, h.numel, [&](const uint8_t* payload, int64_t begin, int64_t len, float* acc) {
     const float scale = *field<float>(payload, kHeaderBytes);
-    const uint8_t* codes = payload + offset;
+    const uint8_t* codes = payload + offset + begin / 4;
     for (int64_t i = 0; i < len; ++i) {
-      const int64_t e = begin + i;
-      const uint32_t code = (codes[e >> 2] >> (2 * (e & 3))) & 3u;
+      const uint32_t code = (codes[i >> 2] >> (2 * (i & 3))) & 3u;
       const float q = (code & 1u) ? ((code & 2u) ? -1.0f : 1.0f) : 0.0f;
       acc[i] += q * scale;
     }
@@ -62,8 +68,9 @@ void decode_typed(const DecodeArgs& a, const PayloadHeader& h) {
 }  // namespace
 
 void encode_terngrad(const EncodeArgs& a) {
-  visit_dtype(static_cast<DType>(a.header.dtype),
-              [&](auto* t) { encode_typed<std::remove_pointer_t<decltype(t)>>(a); });
+  visit_encode(a, [&](auto* t, auto has_residual) {
+    encode_typed<std::remove_pointer_t<decltype(t)>, decltype(has_residual)::value>(a);
+  });
 }
 
 void decode_terngrad(const DecodeArgs& a, const PayloadHeader& h) {
@@ -71,4 +78,4 @@ void decode_terngrad(const DecodeArgs& a, const PayloadHeader& h) {
               [&](auto* t) { decode_typed<std::remove_pointer_t<decltype(t)>>(a, h); });
 }
 
-}  // namespace gradcomp::codecs
+}  // namespace gradcomp::GC_CODECS_NS

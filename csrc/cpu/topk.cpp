@@ -14,11 +14,12 @@
 
 #include "chunked.h"
 
-namespace gradcomp::codecs {
+namespace gradcomp::GC_CODECS_NS {
 namespace {
 
 constexpr int kBinShift = 20;  // keys are below 2^31: 11 bits of exponent and leading mantissa
 constexpr int kBins = 1 << (31 - kBinShift);
+constexpr int64_t kChunk = 512;
 
 template <typename T>
 uint32_t key_of(const T* m, int64_t i) { return magnitude_key(to_float(m[i])); }
@@ -35,13 +36,18 @@ void encode_typed(const EncodeArgs& a) {
 
   // Pass 1: M (kept in the residual under error feedback) and the histogram of its keys.
   std::vector<int64_t> histogram(kBins, 0);
-  if (residual) {
-    for (int64_t i = 0; i < n; ++i) {
-      residual[i] = from_float<T>(to_float(grad[i]) + to_float(residual[i]));
-      ++histogram[key_of(residual, i) >> kBinShift];
+  uint32_t bins[kChunk];
+  for (int64_t begin = 0; begin < n; begin += kChunk) {
+    const int64_t len = std::min(kChunk, n - begin);
+    if (residual) {
+      for (int64_t i = 0; i < len; ++i) {
+        residual[begin + i] = from_float<T>(to_float(grad[begin + i]) + to_float(residual[begin + i]));
+        bins[i] = key_of(residual, begin + i) >> kBinShift;
+      }
+    } else {
+      for (int64_t i = 0; i < len; ++i) bins[i] = key_of(grad, begin + i) >> kBinShift;
     }
-  } else {
-    for (int64_t i = 0; i < n; ++i) ++histogram[key_of(grad, i) >> kBinShift];
+    for (int64_t i = 0; i < len; ++i) ++histogram[bins[i]];
   }
   const T* m = residual ? residual : grad;
 
@@ -107,19 +113,9 @@ void encode_topk(const EncodeArgs& a) {
               [&](auto* t) { encode_typed<std::remove_pointer_t<decltype(t)>>(a); });
 }
 
-std::string validate_topk_indices(const uint8_t* payload, const PayloadHeader& h) {
-  const int32_t* indices = field<int32_t>(payload, body_layout(h).codes);
-  for (int64_t j = 0; j < h.param0; ++j) {
-    if (indices[j] < 0 || indices[j] >= h.numel)
-      return "index " + std::to_string(indices[j]) + " at position " + std::to_string(j) +
-             " is outside [0, " + std::to_string(h.numel) + ")";
-  }
-  return "";
-}
-
 void decode_topk(const DecodeArgs& a, const PayloadHeader& h) {
   visit_dtype(static_cast<DType>(h.dtype),
               [&](auto* t) { decode_typed<std::remove_pointer_t<decltype(t)>>(a, h); });
 }
 
-}  // namespace gradcomp::codecs
+}  // namespace gradcomp::GC_CODECS_NS
