@@ -59,6 +59,27 @@ void sum_payloads(const DecodeArgs& args, int64_t numel, AddPayload&& add) {
   }
 }
 
+// Decoded multipliers for every value of a code byte: signs (8 per byte, +1 for a set bit, -1
+// for a clear one) and ternary codes (4 per byte: 0, +1, 0, -1 for codes 0..3).
+struct ByteTables {
+  float sign[256][8];
+  float ternary[256][4];
+  ByteTables() {
+    for (int byte = 0; byte < 256; ++byte) {
+      for (int j = 0; j < 8; ++j) sign[byte][j] = ((byte >> j) & 1) ? 1.0f : -1.0f;
+      for (int j = 0; j < 4; ++j) {
+        const int code = (byte >> (2 * j)) & 3;
+        ternary[byte][j] = (code & 1) ? ((code & 2) ? -1.0f : 1.0f) : 0.0f;
+      }
+    }
+  }
+};
+
+inline const ByteTables& byte_tables() {
+  static const ByteTables tables;
+  return tables;
+}
+
 template <typename T>
 inline const T* field(const uint8_t* payload, int64_t offset) {
   return reinterpret_cast<const T*>(payload + offset);

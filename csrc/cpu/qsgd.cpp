@@ -6,6 +6,7 @@
 // code = (level << 1) | (m < 0), element i at bits [i*w, i*w + w).
 // A block holding NaN or Inf has a non-finite norm and decodes as NaN.
 #include <cmath>
+#include <cstring>
 
 #include "../common/reduce.h"
 #include "chunked.h"
@@ -16,40 +17,59 @@ namespace {
 
 constexpr int64_t kPair = 2 * kTile;  // elements per batch of random words
 
-struct BitWriter {
-  uint8_t* out;
-  uint64_t buffer = 0;
-  int filled = 0;
-  void put(uint32_t code, int bits) {
-    buffer |= static_cast<uint64_t>(code) << filled;
-    filled += bits;
-    while (filled >= 8) {
-      *out++ = static_cast<uint8_t>(buffer);
-      buffer >>= 8;
-      filled -= 8;
-    }
-  }
-  void flush() {
-    if (filled > 0) *out++ = static_cast<uint8_t>(buffer);
-  }
-};
+// Groups of 8 consecutive codes (from an element index that is a multiple of 8) start on a byte
+// and fill exactly kBits bytes: they are packed and unpacked as one little-endian integer, with
+// shifts fixed at compile time for each code width.
+template <int kBits>
+using CodeGroup = std::conditional_t<(kBits <= 8), uint64_t, unsigned __int128>;
 
-// Reads codes from a byte-aligned position; never reads past the last byte it needs.
-struct BitReader {
-  const uint8_t* in;
-  uint64_t buffer = 0;
-  int filled = 0;
-  uint32_t get(int bits) {
-    while (filled < bits) {
-      buffer |= static_cast<uint64_t>(*in++) << filled;
-      filled += 8;
-    }
-    const uint32_t code = static_cast<uint32_t>(buffer & ((uint64_t{1} << bits) - 1));
-    buffer >>= bits;
-    filled -= bits;
-    return code;
+template <int kBits>
+void pack_codes(const uint32_t* code, int64_t count, uint8_t* out) {
+  for (int64_t g = 0; g < count; g += 8) {
+    const int64_t len = std::min<int64_t>(8, count - g);
+    CodeGroup<kBits> packed = 0;
+    for (int64_t j = 0; j < len; ++j) packed |= static_cast<CodeGroup<kBits>>(code[g + j]) << (j * kBits);
+    if (len == 8) std::memcpy(out + g / 8 * kBits, &packed, kBits);  // little-endian host
+    else std::memcpy(out + g / 8 * kBits, &packed, ceil_div(len * kBits, 8));
   }
-};
+}
+
+// Adds the decoded values of count codes starting at element first (a multiple of 8).
+template <int kBits>
+void add_codes(const uint8_t* stream, int64_t first, int64_t count, const float* norms, int64_t block,
+               float levels, float* acc) {
+  int64_t b = first / block, block_end = (b + 1) * block;
+  float step = norms[b] / levels;
+  for (int64_t g = 0; g < count; g += 8) {
+    const int64_t len = std::min<int64_t>(8, count - g);
+    CodeGroup<kBits> packed = 0;
+    if (len == 8) std::memcpy(&packed, stream + (first + g) / 8 * kBits, kBits);
+    else std::memcpy(&packed, stream + (first + g) / 8 * kBits, ceil_div(len * kBits, 8));
+    for (int64_t j = 0; j < len; ++j, packed >>= kBits) {
+      if (first + g + j == block_end) {
+        step = norms[++b] / levels;
+        block_end += block;
+      }
+      const uint32_t code = static_cast<uint32_t>(packed) & ((1u << kBits) - 1);
+      const float magnitude = static_cast<float>(code >> 1) * step;
+      acc[g + j] += (code & 1u) ? -magnitude : magnitude;
+    }
+  }
+}
+
+// Calls f(std::integral_constant<int, bits>) for a code width in [2, 16].
+template <typename F>
+void visit_code_bits(int bits, F&& f) {
+  switch (bits) {
+#define GRADCOMP_BITS_CASE(b) \
+  case b: f(std::integral_constant<int, b>{}); break;
+    GRADCOMP_BITS_CASE(2) GRADCOMP_BITS_CASE(3) GRADCOMP_BITS_CASE(4) GRADCOMP_BITS_CASE(5)
+    GRADCOMP_BITS_CASE(6) GRADCOMP_BITS_CASE(7) GRADCOMP_BITS_CASE(8) GRADCOMP_BITS_CASE(9)
+    GRADCOMP_BITS_CASE(10) GRADCOMP_BITS_CASE(11) GRADCOMP_BITS_CASE(12) GRADCOMP_BITS_CASE(13)
+    GRADCOMP_BITS_CASE(14) GRADCOMP_BITS_CASE(15) GRADCOMP_BITS_CASE(16)
+#undef GRADCOMP_BITS_CASE
+  }
+}
 
 // The uniforms of one 128-element pair, regenerated only when the pair changes.
 struct PairUniforms {
@@ -76,10 +96,10 @@ void encode_typed(const EncodeArgs& a) {
   const int bits = qsgd_code_bits(h.param0);
   const BodyLayout layout = body_layout(h);
   float* norms = field<float>(a.payload, layout.scales);
-  BitWriter writer{a.payload + layout.codes};
+  uint8_t* stream = a.payload + layout.codes;
   PairUniforms random{RandomKey{h.seed, h.step, h.bucket, a.rank}};
   float m[kPair], decoded[kPair];
-  uint32_t code[kPair];
+  uint32_t code[kPair];  // the codes of the current pair, by position in the pair
   for (int64_t begin = 0, b = 0; begin < n; begin += block, ++b) {
     const int64_t end = std::min(begin + block, n);
     const double squares = canonical_sum(end - begin, [&](int64_t i) {
@@ -93,25 +113,30 @@ void encode_typed(const EncodeArgs& a) {
     // Pieces of the block that stay inside one pair of random tiles.
     for (int64_t piece = begin; piece < end;) {
       const int64_t len = std::min(end, (piece / kPair + 1) * kPair) - piece;
-      const float* u = random.at(piece);
+      const float* __restrict u = random.at(piece);
       load_compensated<kResidual>(grad, residual, piece, len, m);
+      uint32_t* __restrict piece_code = code + piece % kPair;
       for (int64_t i = 0; i < len; ++i) {
         float r = __builtin_fabsf(m[i]) * inverse;
         r = r >= 0.0f ? r : 0.0f;  // NaN -> 0
         r = r > levels ? levels : r;
-        const float floor_r = std::floor(r);
-        const uint32_t level = static_cast<uint32_t>(floor_r) + (u[i] < r - floor_r ? 1u : 0u);
-        const bool negative = m[i] < 0.0f;
-        code[i] = (level << 1) | static_cast<uint32_t>(negative);
+        const int32_t floor_r = static_cast<int32_t>(r);  // truncation is floor: 0 <= r <= s
+        const int32_t level = floor_r + (u[i] < r - static_cast<float>(floor_r) ? 1 : 0);
+        const int32_t negative = m[i] < 0.0f ? 1 : 0;
+        piece_code[i] = static_cast<uint32_t>((level << 1) | negative);
         const float magnitude = static_cast<float>(level) * step;
         decoded[i] = negative ? -magnitude : magnitude;
       }
-      for (int64_t i = 0; i < len; ++i) writer.put(code[i], bits);
       if constexpr (kResidual) store_residuals(residual, piece, len, m, decoded);
       piece += len;
+      if (piece % kPair == 0 || piece == n) {  // the pair is complete: pack its codes
+        const int64_t pair_begin = (piece - 1) / kPair * kPair;
+        visit_code_bits(bits, [&](auto width) {
+          pack_codes<decltype(width)::value>(code, piece - pair_begin, stream + pair_begin / 8 * bits);
+        });
+      }
     }
   }
-  writer.flush();
 }
 
 template <typename T>
@@ -122,20 +147,9 @@ void decode_typed(const DecodeArgs& a, const PayloadHeader& h) {
   const int bits = qsgd_code_bits(h.param0);
   sum_payloads<T>(a, h.numel, [&](const uint8_t* payload, int64_t begin, int64_t len, float* acc) {
     const float* norms = field<float>(payload, layout.scales);
-    BitReader reader{payload + layout.codes + begin * bits / 8};  // begin * bits is a multiple of 8
-    int64_t b = begin / block;
-    int64_t block_end = (b + 1) * block;
-    float step = norms[b] / levels;
-    for (int64_t i = 0; i < len; ++i) {
-      if (begin + i == block_end) {
-        ++b;
-        block_end += block;
-        step = norms[b] / levels;
-      }
-      const uint32_t code = reader.get(bits);
-      const float magnitude = static_cast<float>(code >> 1) * step;
-      acc[i] += (code & 1u) ? -magnitude : magnitude;
-    }
+    visit_code_bits(bits, [&](auto width) {
+      add_codes<decltype(width)::value>(payload + layout.codes, begin, len, norms, block, levels, acc);
+    });
   });
 }
 

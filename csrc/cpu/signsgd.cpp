@@ -49,7 +49,11 @@ void decode_typed(const DecodeArgs& a, const PayloadHeader& h) {
     sum_payloads<T>(a, h.numel, [&](const uint8_t* payload, int64_t begin, int64_t len, float* acc) {
       const float scale = *field<float>(payload, kHeaderBytes);
       const uint8_t* bits = payload + codes + begin / 8;
-      for (int64_t i = 0; i < len; ++i) acc[i] += ((bits[i >> 3] >> (i & 7)) & 1) ? scale : -scale;
+      const auto& sign = byte_tables().sign;
+      int64_t i = 0;
+      for (; i + 8 <= len; i += 8)
+        for (int j = 0; j < 8; ++j) acc[i + j] += sign[bits[i / 8]][j] * scale;
+      for (; i < len; ++i) acc[i] += sign[bits[i / 8]][i % 8] * scale;
     });
     return;
   }
@@ -57,13 +61,13 @@ void decode_typed(const DecodeArgs& a, const PayloadHeader& h) {
   for (int64_t p = 0; p < a.count; ++p) scale_sum += *field<float>(a.payloads + p * a.stride, kHeaderBytes);
   const float magnitude = a.alpha * scale_sum;
   T* out = static_cast<T*>(a.out);
-  std::vector<int32_t> votes(std::min(kDecodeChunk, h.numel));
+  std::vector<float> votes(std::min(kDecodeChunk, h.numel));
   for (int64_t begin = 0; begin < h.numel; begin += kDecodeChunk) {
     const int64_t len = std::min(kDecodeChunk, h.numel - begin);
-    std::fill(votes.begin(), votes.begin() + len, 0);
+    std::fill(votes.begin(), votes.begin() + len, 0.0f);
     for (int64_t p = 0; p < a.count; ++p) {
       const uint8_t* bits = a.payloads + p * a.stride + codes + begin / 8;
-      for (int64_t i = 0; i < len; ++i) votes[i] += ((bits[i >> 3] >> (i & 7)) & 1) ? 1 : -1;
+      for (int64_t i = 0; i < len; ++i) votes[i] += byte_tables().sign[bits[i / 8]][i % 8];
     }
     for (int64_t i = 0; i < len; ++i)
       out[begin + i] = from_float<T>(votes[i] > 0 ? magnitude : votes[i] < 0 ? -magnitude : 0.0f);

@@ -57,11 +57,11 @@ void decode_typed(const DecodeArgs& a, const PayloadHeader& h) {
   sum_payloads<T>(a, h.numel, [&](const uint8_t* payload, int64_t begin, int64_t len, float* acc) {
     const float scale = *field<float>(payload, kHeaderBytes);
     const uint8_t* codes = payload + offset + begin / 4;
-    for (int64_t i = 0; i < len; ++i) {
-      const uint32_t code = (codes[i >> 2] >> (2 * (i & 3))) & 3u;
-      const float q = (code & 1u) ? ((code & 2u) ? -1.0f : 1.0f) : 0.0f;
-      acc[i] += q * scale;
-    }
+    const auto& ternary = byte_tables().ternary;
+    int64_t i = 0;
+    for (; i + 4 <= len; i += 4)
+      for (int j = 0; j < 4; ++j) acc[i + j] += ternary[codes[i / 4]][j] * scale;
+    for (; i < len; ++i) acc[i] += ternary[codes[i / 4]][i % 4] * scale;
   });
 }
 

@@ -4,10 +4,11 @@
 // Body: k int32 indices in ascending order, then their k values of M in the gradient's dtype.
 // Error feedback leaves M in the residual with the sent elements zeroed.
 //
-// Selection is a radix select on the magnitude keys: a histogram of the top 11 key bits finds the
-// bin holding the k-th largest, the keys in that bin are gathered and the exact threshold key is
-// found among them, and a final pass in index order emits every element above the threshold plus
-// the first elements equal to it.
+// Selection is a radix select on the magnitude keys in two passes over M: the first builds a
+// histogram of the top 11 key bits, which gives the bin holding the k-th largest key; the second
+// gathers every element of that bin or above (index and key, in index order). The exact threshold
+// is found among the gathered keys of that bin, and the gathered list, already in index order,
+// yields every element above the threshold plus the first ones equal to it.
 #include <algorithm>
 #include <functional>
 #include <vector>
@@ -34,8 +35,9 @@ void encode_typed(const EncodeArgs& a) {
   const T* grad = static_cast<const T*>(a.grad);
   T* residual = static_cast<T*>(a.residual);
 
-  // Pass 1: M (kept in the residual under error feedback) and the histogram of its keys.
-  std::vector<int64_t> histogram(kBins, 0);
+  // Pass 1: M (kept in the residual under error feedback) and the histogram of its keys, kept as
+  // four interleaved histograms so that runs of equal bins do not serialize on one counter.
+  std::vector<int64_t> histograms(4 * kBins, 0);
   uint32_t bins[kChunk];
   for (int64_t begin = 0; begin < n; begin += kChunk) {
     const int64_t len = std::min(kChunk, n - begin);
@@ -47,36 +49,50 @@ void encode_typed(const EncodeArgs& a) {
     } else {
       for (int64_t i = 0; i < len; ++i) bins[i] = key_of(grad, begin + i) >> kBinShift;
     }
-    for (int64_t i = 0; i < len; ++i) ++histogram[bins[i]];
+    for (int64_t i = 0; i < len; ++i) ++histograms[(i & 3) * kBins + bins[i]];
   }
   const T* m = residual ? residual : grad;
+  auto bin_count = [&](uint32_t bin) {
+    return histograms[bin] + histograms[kBins + bin] + histograms[2 * kBins + bin] + histograms[3 * kBins + bin];
+  };
 
   // The bin holding the k-th largest key, and how many elements lie above it.
   int64_t above = 0;
   uint32_t bin = kBins - 1;
-  while (above + histogram[bin] < k) above += histogram[bin--];
+  while (above + bin_count(bin) < k) above += bin_count(bin--);
 
-  // Pass 2: the keys in that bin; the exact threshold is the (k - above)-th largest of them.
-  std::vector<uint32_t> candidates;
-  candidates.reserve(histogram[bin]);
+  // Pass 2: every element in that bin or above, in index order, with its key.
+  std::vector<int32_t> candidate_index;
+  std::vector<uint32_t> candidate_key;
+  candidate_index.reserve(above + bin_count(bin));
+  candidate_key.reserve(above + bin_count(bin));
+  const uint32_t lowest_key = bin << kBinShift;
   for (int64_t i = 0; i < n; ++i) {
     const uint32_t key = key_of(m, i);
-    if ((key >> kBinShift) == bin) candidates.push_back(key);
+    if (key >= lowest_key) {
+      candidate_index.push_back(static_cast<int32_t>(i));
+      candidate_key.push_back(key);
+    }
   }
-  const int64_t rank_in_bin = k - above;  // >= 1
-  std::nth_element(candidates.begin(), candidates.begin() + (rank_in_bin - 1), candidates.end(),
-                   std::greater<uint32_t>());
-  const uint32_t threshold = candidates[rank_in_bin - 1];
-  const int64_t greater_in_bin =
-      std::count_if(candidates.begin(), candidates.end(), [&](uint32_t key) { return key > threshold; });
-  int64_t ties_left = k - above - greater_in_bin;
 
-  // Pass 3: emit in index order until all k are out.
+  // The exact threshold is the (k - above)-th largest key of the bin.
+  std::vector<uint32_t> in_bin;
+  in_bin.reserve(bin_count(bin));
+  for (uint32_t key : candidate_key)
+    if ((key >> kBinShift) == bin) in_bin.push_back(key);
+  const int64_t rank_in_bin = k - above;  // >= 1
+  std::nth_element(in_bin.begin(), in_bin.begin() + (rank_in_bin - 1), in_bin.end(), std::greater<uint32_t>());
+  const uint32_t threshold = in_bin[rank_in_bin - 1];
+  int64_t ties_left =
+      rank_in_bin - std::count_if(in_bin.begin(), in_bin.end(), [&](uint32_t key) { return key > threshold; });
+
+  // Emit in index order: every key above the threshold and the first ties.
   int64_t emitted = 0;
-  for (int64_t i = 0; emitted < k; ++i) {
-    const uint32_t key = key_of(m, i);
+  for (size_t c = 0; c < candidate_key.size() && emitted < k; ++c) {
+    const uint32_t key = candidate_key[c];
     if (key > threshold || (key == threshold && ties_left-- > 0)) {
-      indices[emitted] = static_cast<int32_t>(i);
+      const int32_t i = candidate_index[c];
+      indices[emitted] = i;
       values[emitted] = m[i];
       if (residual) residual[i] = from_float<T>(0.0f);
       ++emitted;
@@ -97,7 +113,12 @@ void decode_typed(const DecodeArgs& a, const PayloadHeader& h) {
       out[indices[j]] = from_float<T>((0.0f + to_float(values[j])) * a.alpha);
     return;
   }
-  std::vector<float> sums(n, 0.0f);
+  std::vector<float> scratch;  // fp32 sums: in out itself when out is fp32
+  float* sums = reinterpret_cast<float*>(out);
+  if constexpr (!std::is_same_v<T, float>) {
+    scratch.assign(n, 0.0f);
+    sums = scratch.data();
+  }
   for (int64_t p = 0; p < a.count; ++p) {
     const int32_t* indices = field<int32_t>(a.payloads + p * a.stride, layout.codes);
     const T* values = field<T>(a.payloads + p * a.stride, layout.values);

@@ -24,6 +24,7 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "gradcomp native extension";
   m.def("payload_nbytes", &payload_nbytes, py::arg("codec"), py::arg("dtype"), py::arg("numel"),
         py::arg("param0") = 0, py::arg("param1") = 0);
+  m.def("cpu_isa", &cpu_isa, "The CPU codec variant in use: avx512, avx2 or base");
   m.attr("header_bytes") = kHeaderBytes;
   m.attr("payload_align") = kPayloadAlign;
   m.attr("format_version") = kFormatVersion;

@@ -13,5 +13,6 @@ from .powersgd import PowerSGD
 
 __version__ = "0.1.0"
 cuda_built = _ops._C.cuda_built
+cpu_isa = _ops._C.cpu_isa
 
 __all__ = ["Codec", "PayloadCodec", "PowerSGD", "available", "codec", "count_for_ratio", "describe", "parse_spec"]

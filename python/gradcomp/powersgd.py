@@ -83,11 +83,15 @@ class PowerSGD(Codec):
             m = grad.reshape(rows, cols).float()
         return m, m @ q
 
-    def compute_q(self, m: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-        """Orthogonalizes P (after its allreduce) in place, then Q = M^T P written into q."""
+    @staticmethod
+    def orthogonalize(p: torch.Tensor) -> torch.Tensor:
+        """Orthonormalizes P's columns in place (after P's allreduce); returns p."""
         torch.ops.gradcomp.orthogonalize_(p, 0.0)
-        torch.matmul(m.t(), p, out=q)
-        return q
+        return p
+
+    def compute_q(self, m: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        """Q = M^T P (P orthogonalized), written into q: it stays there for the next step's warm start."""
+        return torch.matmul(m.t(), p, out=q)
 
     def decompress(self, p: torch.Tensor, q: torch.Tensor, m: torch.Tensor, out: torch.Tensor,
                    residual: torch.Tensor | None, alpha: float = 1.0) -> torch.Tensor:
@@ -105,5 +109,5 @@ class PowerSGD(Codec):
         """One step on a single process (no communication): what a world of one would compute."""
         out = torch.empty_like(grad) if out is None else out
         m, p = self.compute_p(grad, residual, q)
-        self.compute_q(m, p, q)
+        self.compute_q(m, self.orthogonalize(p), q)
         return self.decompress(p, q, m, out, residual)
