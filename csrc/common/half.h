@@ -1,6 +1,6 @@
-// IEEE fp16 and bfloat16 storage types with round-to-nearest-even conversions.
-// Bit-identical to torch's c10::Half / c10::BFloat16 conversions (NaN becomes the canonical
-// quiet NaN), and identical on the host and the device.
+// IEEE fp16 and bfloat16 storage types with round-to-nearest-even conversions, identical on the
+// host and the device and to torch's for every non-NaN value. A NaN becomes a canonical quiet NaN:
+// 0x7E00 with its sign for fp16, 0x7FC0 for bf16 (torch's own NaN bits vary by conversion path).
 #pragma once
 
 #include "hd.h"

@@ -82,12 +82,17 @@ void encode_cpu(const EncodeArgs& args) {
 
 std::string validate_topk_indices(const uint8_t* payload, const PayloadHeader& h) {
   const BodyLayout layout = body_layout(h);
+  int64_t previous = -1;  // indices must be strictly ascending: in range and each at most once
   for (int64_t j = 0; j < h.param0; ++j) {
     int32_t index;
     std::memcpy(&index, payload + layout.codes + 4 * j, sizeof index);
     if (index < 0 || index >= h.numel)
       return "index " + std::to_string(index) + " at position " + std::to_string(j) + " is outside [0, " +
              std::to_string(h.numel) + ")";
+    if (index <= previous)
+      return "index " + std::to_string(index) + " at position " + std::to_string(j) +
+             " does not follow " + std::to_string(previous) + " (indices must be strictly ascending)";
+    previous = index;
   }
   return "";
 }
