@@ -393,6 +393,7 @@ def machine_description(device: torch.device) -> dict:
         "torch_threads": torch.get_num_threads(),
         "torch_version": torch.__version__,
         "gradcomp_version": gradcomp.__version__,
+        "gradcomp_cpu_variant": gradcomp.cpu_isa(),
         "python_version": platform.python_version(),
         "platform": platform.platform(),
         "device": str(device),

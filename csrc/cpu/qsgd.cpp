@@ -34,26 +34,16 @@ void pack_codes(const uint32_t* code, int64_t count, uint8_t* out) {
   }
 }
 
-// Adds the decoded values of count codes starting at element first (a multiple of 8).
+// Unpacks count codes starting at element first (a multiple of 8).
 template <int kBits>
-void add_codes(const uint8_t* stream, int64_t first, int64_t count, const float* norms, int64_t block,
-               float levels, float* acc) {
-  int64_t b = first / block, block_end = (b + 1) * block;
-  float step = norms[b] / levels;
+void unpack_codes(const uint8_t* stream, int64_t first, int64_t count, uint32_t* code) {
   for (int64_t g = 0; g < count; g += 8) {
     const int64_t len = std::min<int64_t>(8, count - g);
     CodeGroup<kBits> packed = 0;
     if (len == 8) std::memcpy(&packed, stream + (first + g) / 8 * kBits, kBits);
     else std::memcpy(&packed, stream + (first + g) / 8 * kBits, ceil_div(len * kBits, 8));
-    for (int64_t j = 0; j < len; ++j, packed >>= kBits) {
-      if (first + g + j == block_end) {
-        step = norms[++b] / levels;
-        block_end += block;
-      }
-      const uint32_t code = static_cast<uint32_t>(packed) & ((1u << kBits) - 1);
-      const float magnitude = static_cast<float>(code >> 1) * step;
-      acc[g + j] += (code & 1u) ? -magnitude : magnitude;
-    }
+    for (int64_t j = 0; j < len; ++j)
+      code[g + j] = static_cast<uint32_t>(packed >> (j * kBits)) & ((1u << kBits) - 1);
   }
 }
 
@@ -147,9 +137,20 @@ void decode_typed(const DecodeArgs& a, const PayloadHeader& h) {
   const int bits = qsgd_code_bits(h.param0);
   sum_payloads<T>(a, h.numel, [&](const uint8_t* payload, int64_t begin, int64_t len, float* acc) {
     const float* norms = field<float>(payload, layout.scales);
+    uint32_t code[kDecodeChunk];
     visit_code_bits(bits, [&](auto width) {
-      add_codes<decltype(width)::value>(payload + layout.codes, begin, len, norms, block, levels, acc);
+      unpack_codes<decltype(width)::value>(payload + layout.codes, begin, len, code);
     });
+    for (int64_t segment = begin; segment < begin + len;) {  // runs of one block
+      const int64_t b = segment / block;
+      const int64_t end = std::min((b + 1) * block, begin + len);
+      const float step = norms[b] / levels;
+      for (int64_t e = segment; e < end; ++e) {
+        const float magnitude = static_cast<float>(code[e - begin] >> 1) * step;
+        acc[e - begin] += (code[e - begin] & 1u) ? -magnitude : magnitude;
+      }
+      segment = end;
+    }
   });
 }
 
