@@ -7,18 +7,12 @@
 namespace gradcomp {
 namespace {
 
-struct CodecTable {
-  const char* isa;
-  void (*encode[kNumCodecs])(const EncodeArgs&);
-  void (*decode[kNumCodecs])(const DecodeArgs&, const PayloadHeader&);
-};
-
-#define GRADCOMP_CODEC_TABLE(ns, name)                                                              \
-  CodecTable{name,                                                                                \
-             {ns::encode_dense, ns::encode_dense, ns::encode_dense, ns::encode_signsgd,             \
-              ns::encode_terngrad, ns::encode_qsgd, ns::encode_topk, ns::encode_randomk},           \
-             {ns::decode_dense, ns::decode_dense, ns::decode_dense, ns::decode_signsgd,             \
-              ns::decode_terngrad, ns::decode_qsgd, ns::decode_topk, ns::decode_randomk}}
+#define GRADCOMP_CODEC_VARIANT(ns, name, supported)                                                  \
+  CodecVariant{name, supported,                                                                   \
+               {ns::encode_dense, ns::encode_dense, ns::encode_dense, ns::encode_signsgd,           \
+                ns::encode_terngrad, ns::encode_qsgd, ns::encode_topk, ns::encode_randomk},         \
+               {ns::decode_dense, ns::decode_dense, ns::decode_dense, ns::decode_signsgd,           \
+                ns::decode_terngrad, ns::decode_qsgd, ns::decode_topk, ns::decode_randomk}}
 
 bool cpu_has(const char* feature_set) {
 #if defined(__x86_64__) && defined(GRADCOMP_X86_VARIANTS)
@@ -35,25 +29,32 @@ bool cpu_has(const char* feature_set) {
   return false;
 }
 
-const CodecTable& codec_table() {
-  static const CodecTable table = [] {
+const CodecVariant& codec_table() {
+  static const CodecVariant table = [] {
     // GRADCOMP_CPU_ISA caps the variant (base < avx2 < avx512); unset means the best the CPU has.
     const char* cap = std::getenv("GRADCOMP_CPU_ISA");
-    const bool capped_base = cap && std::strcmp(cap, "base") == 0;
-    const bool capped_avx2 = cap && std::strcmp(cap, "avx2") == 0;
-#if defined(GRADCOMP_X86_VARIANTS)
-    if (!capped_base && !capped_avx2 && cpu_has("avx512")) return GRADCOMP_CODEC_TABLE(codecs_avx512, "avx512");
-    if (!capped_base && cpu_has("avx2")) return GRADCOMP_CODEC_TABLE(codecs_avx2, "avx2");
-#else
-    (void)capped_base;
-    (void)capped_avx2;
-#endif
-    return GRADCOMP_CODEC_TABLE(codecs_base, "base");
+    const std::vector<CodecVariant> variants = codec_variants();  // best last
+    for (auto v = variants.rbegin(); v != variants.rend(); ++v) {
+      if (!v->supported) continue;
+      if (cap && std::strcmp(cap, "base") == 0 && std::strcmp(v->isa, "base") != 0) continue;
+      if (cap && std::strcmp(cap, "avx2") == 0 && std::strcmp(v->isa, "avx512") == 0) continue;
+      return *v;
+    }
+    return variants.front();
   }();
   return table;
 }
 
 }  // namespace
+
+std::vector<CodecVariant> codec_variants() {
+  std::vector<CodecVariant> variants{GRADCOMP_CODEC_VARIANT(codecs_base, "base", true)};
+#if defined(GRADCOMP_X86_VARIANTS)
+  variants.push_back(GRADCOMP_CODEC_VARIANT(codecs_avx2, "avx2", cpu_has("avx2")));
+  variants.push_back(GRADCOMP_CODEC_VARIANT(codecs_avx512, "avx512", cpu_has("avx512")));
+#endif
+  return variants;
+}
 
 const char* cpu_isa() { return codec_table().isa; }
 

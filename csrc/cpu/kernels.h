@@ -2,6 +2,7 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include "../common/half.h"
 #include "../common/random.h"
@@ -65,8 +66,18 @@ GRADCOMP_DECLARE_CODECS(codecs_base)
 GRADCOMP_DECLARE_CODECS(codecs_avx2)
 GRADCOMP_DECLARE_CODECS(codecs_avx512)
 
-// Which variant encode_cpu / decode_sum_cpu use: "avx512", "avx2" or "base". Setting the
-// environment variable GRADCOMP_CPU_ISA to a lower one (e.g. base) forces it, for tests.
+struct CodecVariant {
+  const char* isa;  // "base", "avx2" or "avx512"
+  bool supported;   // whether the running CPU can execute it
+  void (*encode[kNumCodecs])(const EncodeArgs&);
+  void (*decode[kNumCodecs])(const DecodeArgs&, const PayloadHeader&);
+};
+
+// Every variant compiled into this build, from the portable one to the best.
+std::vector<CodecVariant> codec_variants();
+
+// Which variant encode_cpu / decode_sum_cpu use: "avx512", "avx2" or "base". The environment
+// variable GRADCOMP_CPU_ISA=base or avx2, read once, caps it (for tests and comparisons).
 const char* cpu_isa();
 
 // Bounds check of a topk payload's indices (shared by every variant).

@@ -4,12 +4,15 @@
 // Body: k int32 indices in ascending order, then their k values of M in the gradient's dtype.
 // Error feedback leaves M in the residual with the sent elements zeroed.
 //
-// Selection is a radix select on the magnitude keys in two passes over M: the first builds a
-// histogram of the top 11 key bits, which gives the bin holding the k-th largest key; the second
-// gathers every element of that bin or above (index and key, in index order). The exact threshold
-// is found among the gathered keys of that bin, and the gathered list, already in index order,
-// yields every element above the threshold plus the first ones equal to it.
+// Selection works on magnitude keys (bins = their top 11 bits) in one pass over the data: a
+// strided sample of 2^16 keys estimates a bin that at least k elements reach, with a safety
+// margin; the pass computes M (writing it to the residual under error feedback) and gathers
+// every element at or above that bin, with its key, in index order (about 2k of them). The exact
+// k-th largest key is found among the gathered keys, and the gathered list yields every element
+// above it plus the first ones equal to it. Should the sample have aimed too high (fewer than k
+// gathered), a histogram pass over M finds the exact bin and the gathering is redone.
 #include <algorithm>
+#include <cmath>
 #include <functional>
 #include <vector>
 
@@ -20,10 +23,68 @@ namespace {
 
 constexpr int kBinShift = 20;  // keys are below 2^31: 11 bits of exponent and leading mantissa
 constexpr int kBins = 1 << (31 - kBinShift);
-constexpr int64_t kChunk = 512;
+constexpr int64_t kSample = 1 << 16;
 
 template <typename T>
 uint32_t key_of(const T* m, int64_t i) { return magnitude_key(to_float(m[i])); }
+
+struct Candidates {
+  std::vector<int32_t> index;
+  std::vector<uint32_t> key;
+  void clear() { index.clear(); key.clear(); }
+  void add(int64_t i, uint32_t k) {
+    index.push_back(static_cast<int32_t>(i));
+    key.push_back(k);
+  }
+};
+
+// The lowest key of the bin that, by a strided sample of the keys, at least k elements reach,
+// lowered by a margin of about four standard deviations of the sample count.
+template <typename KeyAt>
+uint32_t estimated_lowest_key(int64_t n, int64_t k, KeyAt&& key_at) {
+  if (n <= kSample) return 0;  // small tensors: gather everything
+  std::vector<int64_t> histogram(kBins, 0);
+  for (int64_t j = 0; j < kSample; ++j) ++histogram[key_at(j * (n / kSample)) >> kBinShift];
+  const double expected = static_cast<double>(k) * kSample / n;
+  const double wanted = expected + 4.0 * std::sqrt(expected) + 16.0;
+  int64_t reached = 0;
+  int bin = kBins - 1;
+  while (bin > 0 && reached + histogram[bin] < wanted) reached += histogram[bin--];
+  return static_cast<uint32_t>(bin) << kBinShift;
+}
+
+// The lowest key of the bin holding the k-th largest key of m, by a histogram of all of m.
+template <typename T>
+uint32_t exact_lowest_key(const T* m, int64_t n, int64_t k) {
+  std::vector<int64_t> histogram(kBins, 0);
+  for (int64_t i = 0; i < n; ++i) ++histogram[key_of(m, i) >> kBinShift];
+  int64_t above = 0;
+  int bin = kBins - 1;
+  while (above + histogram[bin] < k) above += histogram[bin--];
+  return static_cast<uint32_t>(bin) << kBinShift;
+}
+
+// Gathers the elements whose key reaches lowest_key. With a residual, first replaces it by M =
+// grad + residual (rounded to T), the pass that error feedback needs anyway.
+template <typename T>
+void gather(const T* grad, T* residual, int64_t n, uint32_t lowest_key, Candidates& out) {
+  constexpr int64_t kChunk = 512;
+  uint32_t keys[kChunk];
+  out.clear();
+  for (int64_t begin = 0; begin < n; begin += kChunk) {
+    const int64_t len = std::min(kChunk, n - begin);
+    if (residual) {
+      for (int64_t i = 0; i < len; ++i) {
+        residual[begin + i] = from_float<T>(to_float(grad[begin + i]) + to_float(residual[begin + i]));
+        keys[i] = key_of(residual, begin + i);
+      }
+    } else {
+      for (int64_t i = 0; i < len; ++i) keys[i] = key_of(grad, begin + i);
+    }
+    for (int64_t i = 0; i < len; ++i)
+      if (keys[i] >= lowest_key) out.add(begin + i, keys[i]);
+  }
+}
 
 template <typename T>
 void encode_typed(const EncodeArgs& a) {
@@ -34,64 +95,30 @@ void encode_typed(const EncodeArgs& a) {
   T* values = field<T>(a.payload, layout.values);
   const T* grad = static_cast<const T*>(a.grad);
   T* residual = static_cast<T*>(a.residual);
+  const T* m = residual ? residual : grad;  // M, once the pass below has run
 
-  // Pass 1: M (kept in the residual under error feedback) and the histogram of its keys, kept as
-  // four interleaved histograms so that runs of equal bins do not serialize on one counter.
-  std::vector<int64_t> histograms(4 * kBins, 0);
-  uint32_t bins[kChunk];
-  for (int64_t begin = 0; begin < n; begin += kChunk) {
-    const int64_t len = std::min(kChunk, n - begin);
-    if (residual) {
-      for (int64_t i = 0; i < len; ++i) {
-        residual[begin + i] = from_float<T>(to_float(grad[begin + i]) + to_float(residual[begin + i]));
-        bins[i] = key_of(residual, begin + i) >> kBinShift;
-      }
-    } else {
-      for (int64_t i = 0; i < len; ++i) bins[i] = key_of(grad, begin + i) >> kBinShift;
-    }
-    for (int64_t i = 0; i < len; ++i) ++histograms[(i & 3) * kBins + bins[i]];
-  }
-  const T* m = residual ? residual : grad;
-  auto bin_count = [&](uint32_t bin) {
-    return histograms[bin] + histograms[kBins + bin] + histograms[2 * kBins + bin] + histograms[3 * kBins + bin];
-  };
+  const uint32_t lowest_key = estimated_lowest_key(n, k, [&](int64_t i) {
+    return magnitude_key(to_float(residual ? from_float<T>(to_float(grad[i]) + to_float(residual[i])) : grad[i]));
+  });
+  Candidates candidates;
+  candidates.index.reserve(2 * k + 64);
+  candidates.key.reserve(2 * k + 64);
+  gather(grad, residual, n, lowest_key, candidates);
+  if (static_cast<int64_t>(candidates.key.size()) < k)  // the sample aimed too high: M is in place now
+    gather(m, static_cast<T*>(nullptr), n, exact_lowest_key(m, n, k), candidates);
 
-  // The bin holding the k-th largest key, and how many elements lie above it.
-  int64_t above = 0;
-  uint32_t bin = kBins - 1;
-  while (above + bin_count(bin) < k) above += bin_count(bin--);
-
-  // Pass 2: every element in that bin or above, in index order, with its key.
-  std::vector<int32_t> candidate_index;
-  std::vector<uint32_t> candidate_key;
-  candidate_index.reserve(above + bin_count(bin));
-  candidate_key.reserve(above + bin_count(bin));
-  const uint32_t lowest_key = bin << kBinShift;
-  for (int64_t i = 0; i < n; ++i) {
-    const uint32_t key = key_of(m, i);
-    if (key >= lowest_key) {
-      candidate_index.push_back(static_cast<int32_t>(i));
-      candidate_key.push_back(key);
-    }
-  }
-
-  // The exact threshold is the (k - above)-th largest key of the bin.
-  std::vector<uint32_t> in_bin;
-  in_bin.reserve(bin_count(bin));
-  for (uint32_t key : candidate_key)
-    if ((key >> kBinShift) == bin) in_bin.push_back(key);
-  const int64_t rank_in_bin = k - above;  // >= 1
-  std::nth_element(in_bin.begin(), in_bin.begin() + (rank_in_bin - 1), in_bin.end(), std::greater<uint32_t>());
-  const uint32_t threshold = in_bin[rank_in_bin - 1];
-  int64_t ties_left =
-      rank_in_bin - std::count_if(in_bin.begin(), in_bin.end(), [&](uint32_t key) { return key > threshold; });
+  // The k-th largest gathered key, and how many of the keys equal to it are taken.
+  std::vector<uint32_t> keys(candidates.key);
+  std::nth_element(keys.begin(), keys.begin() + (k - 1), keys.end(), std::greater<uint32_t>());
+  const uint32_t threshold = keys[k - 1];
+  int64_t ties_left = k - std::count_if(keys.begin(), keys.begin() + k, [&](uint32_t key) { return key > threshold; });
 
   // Emit in index order: every key above the threshold and the first ties.
   int64_t emitted = 0;
-  for (size_t c = 0; c < candidate_key.size() && emitted < k; ++c) {
-    const uint32_t key = candidate_key[c];
+  for (size_t c = 0; c < candidates.key.size() && emitted < k; ++c) {
+    const uint32_t key = candidates.key[c];
     if (key > threshold || (key == threshold && ties_left-- > 0)) {
-      const int32_t i = candidate_index[c];
+      const int32_t i = candidates.index[c];
       indices[emitted] = i;
       values[emitted] = m[i];
       if (residual) residual[i] = from_float<T>(0.0f);

@@ -146,22 +146,50 @@ INSTANTIATE_TEST_SUITE_P(Codecs, EveryCodec,
                                   std::to_string(info.index);
                          });
 
+// The k indices a stable sort by decreasing magnitude puts first, in ascending order.
+std::vector<int32_t> expected_topk(const std::vector<float>& grad, int64_t k) {
+  std::vector<int64_t> order(grad.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return std::fabs(grad[a]) > std::fabs(grad[b]); });
+  std::vector<int32_t> expected(order.begin(), order.begin() + k);
+  std::sort(expected.begin(), expected.end());
+  return expected;
+}
+
+void expect_topk(const std::vector<float>& grad, int64_t k) {
+  std::vector<float> residual(grad.size(), 0.0f);
+  const auto payload = encode({Codec::TopK, k, 0}, grad, &residual);
+  const auto expected = expected_topk(grad, k);
+  const int32_t* indices = reinterpret_cast<const int32_t*>(payload.data() + kHeaderBytes);
+  ASSERT_TRUE(std::equal(expected.begin(), expected.end(), indices)) << "n=" << grad.size() << " k=" << k;
+  for (int32_t i : expected) ASSERT_EQ(residual[i], 0.0f);
+}
+
 TEST(TopK, SelectsTheLargestMagnitudesWithLowerIndexOnTies) {
-  const int64_t n = 5000;
   std::mt19937 rng(8);
-  std::vector<float> grad(n);
+  std::vector<float> grad(5000);
   for (auto& v : grad) v = static_cast<float>(static_cast<int>(rng() % 41) - 20);  // many ties
-  for (int64_t k : {1, 7, 100, 2500, 5000}) {
-    const auto payload = encode({Codec::TopK, k, 0}, grad, nullptr);
-    std::vector<int64_t> order(n);
-    std::iota(order.begin(), order.end(), 0);
-    std::stable_sort(order.begin(), order.end(),
-                     [&](int64_t a, int64_t b) { return std::fabs(grad[a]) > std::fabs(grad[b]); });
-    std::vector<int32_t> expected(order.begin(), order.begin() + k);
-    std::sort(expected.begin(), expected.end());
-    const int32_t* indices = reinterpret_cast<const int32_t*>(payload.data() + kHeaderBytes);
-    ASSERT_TRUE(std::equal(expected.begin(), expected.end(), indices)) << "k=" << k;
-  }
+  for (int64_t k : {1, 7, 100, 2500, 5000}) expect_topk(grad, k);
+}
+
+TEST(TopK, LargeTensorsTakeTheSampledPath) {
+  // Above 2^16 elements the threshold bin is estimated from a sample of every (n / 2^16)-th key.
+  const int64_t n = 300007;
+  auto grad = gaussian(n, 21);
+  for (int64_t k : {int64_t{1}, int64_t{300}, int64_t{3001}, int64_t{60000}, n}) expect_topk(grad, k);
+  std::mt19937 rng(3);
+  for (auto& v : grad) v = static_cast<float>(static_cast<int>(rng() % 9) - 4);  // ties across bins
+  for (int64_t k : {5, 30000}) expect_topk(grad, k);
+}
+
+TEST(TopK, ASampleThatAimsTooHighFallsBackToTheExactBin) {
+  // Large values exactly where the sample looks, small ones elsewhere: the sample promises far
+  // more large elements than exist, so fewer than k are gathered and the exact pass must run.
+  const int64_t n = 1 << 20, stride = n >> 16;
+  std::vector<float> grad(n);
+  for (int64_t i = 0; i < n; ++i) grad[i] = (i % stride == 0) ? 100.0f + (i % 7) : 0.001f * (i % 13);
+  for (int64_t k : {70000, 200000}) expect_topk(grad, k);
 }
 
 TEST(TopK, NanRanksAboveInfinity) {

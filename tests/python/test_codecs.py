@@ -991,3 +991,18 @@ def test_fp16_overflow_is_infinite():
 def test_ref_validate_accepts_valid_stacks():
     for name in ("none", "fp16", "bf16", "signsgd", "terngrad", "topk", "randomk"):
         assert ref_validate(torch.stack([_valid(name), _valid(name)])) is None
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k", [1, 1500, 45000])
+def test_topk_above_the_sample_size_matches_reference(dtype, k):
+    """Tensors above 2^16 elements take the sampled-threshold path of the top-k selection."""
+    n = 150_001
+    grad = make_grad(n, dtype, seed=k)
+    residual = make_residual(n, dtype)
+    lib_residual = residual.clone()
+    payload = lib_encode("topk", grad, lib_residual, k=k, **KEY)
+    expected, expected_residual = ref_encode("topk", grad, residual, k=k, **KEY)
+    assert_payload_equal(payload, expected)
+    assert torch.equal(lib_residual.view(torch.int16 if dtype != torch.float32 else torch.int32),
+                       expected_residual.view(torch.int16 if dtype != torch.float32 else torch.int32))
