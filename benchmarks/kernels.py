@@ -6,7 +6,8 @@ For each codec and bucket size this measures, in one run and on one thread (by d
   decode x4  c.decode_sum(payloads, out, 1/4) of four payloads stacked as [4, bytes]
   copy_      dst.copy_(src) of an fp32 tensor of the same size: the memory-bandwidth limit
   reference  ref_encode / ref_decode_sum from tests/python/reference.py (pure PyTorch);
-             topk is also timed against torch.topk(x.abs(), k), and powersgd (whose encode
+             topk is also timed against torch.topk(x.abs(), k), both with error feedback and
+             without it (no residual: the same work as torch.topk), and powersgd (whose encode
              column is one whole roundtrip step on a matrix view) against a plain torch
              composition of the same steps written below.
 Throughputs are GB/s of gradient: fp32 gradient bytes (1 GB = 1e9 bytes) over the median time;
@@ -150,6 +151,7 @@ class Row:
     ref_encode_gbps: float | None = None
     ref_decode_gbps: float | None = None
     torch_topk_gbps: float | None = None
+    encode_no_ef_gbps: float | None = None  # topk: encode without a residual, the work torch.topk does
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -161,6 +163,7 @@ class Row:
             enc_over_ref=ratio(self.encode_gbps, self.ref_encode_gbps),
             dec_over_ref=ratio(self.decode_gbps, self.ref_decode_gbps),
             enc_over_torch_topk=ratio(self.encode_gbps, self.torch_topk_gbps),
+            enc_no_ef_over_torch_topk=ratio(self.encode_no_ef_gbps, self.torch_topk_gbps),
         )
         return {key: rounded(value) for key, value in record.items()}
 
@@ -252,6 +255,7 @@ def measure_payload_codec(timer: Timer, label: str, codec: gradcomp.PayloadCodec
     if with_reference and codec.name == "topk":
         k = codec.wire_params(grad.numel())[0]
         row.torch_topk_gbps = timer.gbps(nbytes, lambda: torch.topk(grad.abs(), k), reference=True)
+        row.encode_no_ef_gbps = timer.gbps(nbytes, lambda: codec.encode(grad))
     return row
 
 
@@ -341,6 +345,7 @@ TABLE_COLUMNS = (  # heading, key of Row.to_dict(), width, formatter; the first 
     ("enc/ref", "enc_over_ref", 8, number_cell),
     ("dec/ref", "dec_over_ref", 8, number_cell),
     ("enc/torch.topk", "enc_over_torch_topk", 14, number_cell),
+    ("no-EF/torch.topk", "enc_no_ef_over_torch_topk", 16, number_cell),
 )
 
 
