@@ -12,6 +12,8 @@ compgen -G "/usr/lib/*/cmake/GTest/GTestConfig.cmake" >/dev/null || compgen -G "
 command -v cmake >/dev/null || need_apt+=(cmake)
 command -v ninja >/dev/null || need_apt+=(ninja-build)
 command -v g++ >/dev/null || need_apt+=(g++)
+# qemu-user lets the tests run the kernels on emulated older x86 CPUs (see tools/test.sh).
+[ "$(uname -m)" != x86_64 ] || command -v qemu-x86_64 >/dev/null || need_apt+=(qemu-user)
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" != 0 ]; then
     echo "gradcomp: please install with your package manager: ${need_apt[*]}" >&2

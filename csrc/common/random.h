@@ -10,7 +10,8 @@
 //     tile give its elements 16 at a time, in order, one word each: SIMD lanes and GPU threads
 //     need no transposition.
 //   * random-k indices: a keyed pseudo-random permutation pi of [0, n), the same on every rank:
-//     a 4-round balanced Feistel network on 2h bits (2^(2h) >= n, h >= 1) with cycle walking.
+//     a 4-round balanced Feistel network on 2h bits (h the smallest integer >= 1 with
+//     2^(2h) >= n) with cycle walking.
 //     Round keys are the four words of Philox(counter = (0, step, bucket, 0xFFFFFFFF), key);
 //     round i maps (L, R) -> (R, L ^ (mix32(R ^ key_i) & (2^h - 1))), x = (L << h) | R.
 //     The chosen indices are pi(0), pi(1), ..., pi(k - 1), in that order.

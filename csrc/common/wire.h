@@ -28,7 +28,9 @@ constexpr int64_t kHeaderBytes = 48;
 constexpr int64_t kPayloadAlign = 16;
 constexpr int64_t kMaxLevels = 32767;          // qsgd codes stay within 16 bits
 constexpr int64_t kMaxIndexedNumel = 0x7FFFFFFF;  // topk / randomk indices are int32
-constexpr int64_t kMaxStochasticNumel = int64_t{1} << 34;  // Philox counter = element >> 2
+constexpr int64_t kMaxStochasticNumel = int64_t{1} << 34;  // Philox group counter is 32-bit
+constexpr int64_t kMaxNumel = int64_t{1} << 40;              // keeps every size computation far from overflow
+constexpr int64_t kMaxBlock = kMaxNumel;
 
 enum class Codec : uint8_t { None = 0, Fp16 = 1, Bf16 = 2, SignSGD = 3, TernGrad = 4, QSGD = 5, TopK = 6, RandomK = 7 };
 constexpr int kNumCodecs = 8;
@@ -120,14 +122,14 @@ inline const char* header_problem(const PayloadHeader& h) {
       return "k outside [1, numel]";
   } else if (codec == Codec::QSGD) {
     if (h.param0 < 1 || h.param0 > kMaxLevels) return "qsgd levels outside [1, 32767]";
-    if (h.param1 < 1) return "qsgd block < 1";
+    if (h.param1 < 1 || h.param1 > kMaxBlock) return "qsgd block outside [1, 2^40]";
   } else if (h.param0 != 0) {
     return "unexpected parameter for this codec";
   }
   if (codec != Codec::QSGD && h.param1 != 0) return "unexpected parameter for this codec";
   if ((codec == Codec::TernGrad || codec == Codec::QSGD) && h.numel > kMaxStochasticNumel)
     return "element count above 2^34 for a stochastic codec";
-  if (h.numel > (int64_t{1} << 40)) return "element count too large";
+  if (h.numel > kMaxNumel) return "element count above 2^40";
   return nullptr;
 }
 

@@ -14,16 +14,12 @@ namespace {
                {ns::decode_dense, ns::decode_dense, ns::decode_dense, ns::decode_signsgd,           \
                 ns::decode_terngrad, ns::decode_qsgd, ns::decode_topk, ns::decode_randomk}}
 
+// The CPU runs code built with -march=x86-64-v3 (avx2) or -march=x86-64-v4 (avx512).
 bool cpu_has(const char* feature_set) {
 #if defined(__x86_64__) && defined(GRADCOMP_X86_VARIANTS)
   __builtin_cpu_init();
-  if (std::strcmp(feature_set, "avx2") == 0)
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c") &&
-           __builtin_cpu_supports("bmi2");
-  if (std::strcmp(feature_set, "avx512") == 0)
-    return cpu_has("avx2") && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-           __builtin_cpu_supports("avx512cd");
+  if (std::strcmp(feature_set, "avx2") == 0) return __builtin_cpu_supports("x86-64-v3");
+  if (std::strcmp(feature_set, "avx512") == 0) return __builtin_cpu_supports("x86-64-v4");
 #endif
   (void)feature_set;
   return false;

@@ -14,8 +14,8 @@ void orthogonalize_cpu(float* matrix, int64_t rows, int64_t cols, float eps) {
     double squares = 0.0;
     for (int64_t r = 0; r < rows; ++r) squares += double(matrix[r * cols + i]) * matrix[r * cols + i];
     const double norm = std::sqrt(squares);
-    const float inverse = norm > eps ? static_cast<float>(1.0 / norm) : 0.0f;
-    for (int64_t r = 0; r < rows; ++r) matrix[r * cols + i] *= inverse;
+    for (int64_t r = 0; r < rows; ++r)
+      matrix[r * cols + i] = norm > eps ? static_cast<float>(matrix[r * cols + i] / norm) : 0.0f;
     if (i + 1 == cols) break;
     std::fill(dots.begin(), dots.end(), 0.0);
     for (int64_t r = 0; r < rows; ++r) {

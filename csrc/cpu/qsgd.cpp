@@ -1,10 +1,12 @@
-// qsgd with s levels and blocks of B elements. Per block: norm = ||m_block||_2 (canonical
-// summation order of m * m, fp32 result); element m becomes sign(m) * level * (norm / s) where
-// r = |m| * (s / norm), level = floor(r) + (u < r - floor(r)), 0 <= level <= s, so the decoded
-// value is unbiased; u = unit_uniform(rounding_word(key, i)) for element i. Body: ceil(n / B)
+// qsgd with s levels and blocks of B elements. Per block: norm = sqrtf((float) canonical sum of
+// the fp32 products m * m); element m becomes sign(m) * level * (norm / s) where
+// r = |m| * inverse with inverse = s / norm (0 when norm is 0 or not finite), r = 0 if NaN, r is
+// clamped to s, level = floor(r) + (u < r - floor(r)), so the decoded value is unbiased;
+// u = unit_uniform(rounding_word(key, i)) for element i. Body: ceil(n / B)
 // fp32 norms, then a little-endian bit stream of n codes of w = 1 + ceil(log2(s + 1)) bits:
 // code = (level << 1) | (m < 0), element i at bits [i*w, i*w + w).
-// A block holding NaN or Inf has a non-finite norm and decodes as NaN.
+// A block holding NaN or Inf, or whose squares overflow fp32 (|m| around 1.8e19 and above), has
+// a non-finite norm and decodes as NaN.
 #include <cmath>
 #include <cstring>
 

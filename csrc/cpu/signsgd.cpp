@@ -1,5 +1,5 @@
 // signsgd: one sign bit per element and one fp32 scale, the mean |m| of the bucket
-// (m = gradient + residual). Body: scale, then ceil(n / 8) bytes; element i is bit (i % 8) of
+// (m = gradient + residual): scale = (float)(canonical sum of |m| / n), the division in double. Body: scale, then ceil(n / 8) bytes; element i is bit (i % 8) of
 // byte i / 8, 1 for "+" (m >= 0, or NaN) and 0 for "-" (m < 0). Element i decodes to +scale or
 // -scale. With vote, decode-and-sum gives alpha * (sum of scales) * sign(sum of signs), 0 on a tie.
 #include <cstring>

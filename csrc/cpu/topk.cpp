@@ -136,8 +136,9 @@ void decode_typed(const DecodeArgs& a, const PayloadHeader& h) {
   if (a.count == 1) {  // each index written once: (0 + v) * alpha
     const int32_t* indices = field<int32_t>(a.payloads, layout.codes);
     const T* values = field<T>(a.payloads, layout.values);
-    for (int64_t j = 0; j < k; ++j)
-      out[indices[j]] = from_float<T>((0.0f + to_float(values[j])) * a.alpha);
+    for (int64_t j = 0; j < k; ++j)  // validated already; the bound check keeps any race in bounds
+      if (static_cast<uint32_t>(indices[j]) < static_cast<uint64_t>(n))
+        out[indices[j]] = from_float<T>((0.0f + to_float(values[j])) * a.alpha);
     return;
   }
   std::vector<float> scratch;  // fp32 sums: in out itself when out is fp32
@@ -149,7 +150,8 @@ void decode_typed(const DecodeArgs& a, const PayloadHeader& h) {
   for (int64_t p = 0; p < a.count; ++p) {
     const int32_t* indices = field<int32_t>(a.payloads + p * a.stride, layout.codes);
     const T* values = field<T>(a.payloads + p * a.stride, layout.values);
-    for (int64_t j = 0; j < k; ++j) sums[indices[j]] += to_float(values[j]);
+    for (int64_t j = 0; j < k; ++j)
+      if (static_cast<uint32_t>(indices[j]) < static_cast<uint64_t>(n)) sums[indices[j]] += to_float(values[j]);
   }
   for (int64_t i = 0; i < n; ++i) out[i] = from_float<T>(sums[i] * a.alpha);
 }

@@ -12,6 +12,7 @@ namespace {
 // Exact payload bytes for a codec (wire name), dtype id, element count and parameters.
 int64_t payload_nbytes(const std::string& codec, int dtype, int64_t numel, int64_t param0, int64_t param1) {
   const int id = codec_from_name(codec.c_str());
+  if (dtype < 0 || dtype >= kNumDTypes) throw py::value_error("dtype id " + std::to_string(dtype) + " is not 0 (float32), 1 (float16) or 2 (bfloat16)");
   if (id < 0) throw py::value_error("unknown codec '" + codec + "'; valid codecs: " + kValidCodecNames);
   const PayloadHeader h = make_header(static_cast<Codec>(id), static_cast<DType>(dtype), numel, param0, param1, RandomKey{});
   if (const char* problem = header_problem(h)) throw py::value_error(std::string("invalid ") + codec + " parameters: " + problem);
@@ -29,7 +30,7 @@ PYBIND11_MODULE(_C, m) {
   m.attr("payload_align") = kPayloadAlign;
   m.attr("format_version") = kFormatVersion;
   m.attr("max_levels") = kMaxLevels;
-#ifdef GRADCOMP_WITH_CUDA
+#ifdef GRADCOMP_CUDA_KERNELS  // defined once the CUDA codecs are compiled in
   m.attr("cuda_built") = true;
 #else
   m.attr("cuda_built") = false;

@@ -1,6 +1,7 @@
 // The torch bridge: op schemas and their CPU implementations. The only file that touches
 // at::Tensor; everything below it works on raw pointers (csrc/cpu, cuda/).
 #include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
 #include <torch/library.h>
 
 #include "../cpu/kernels.h"
@@ -58,8 +59,8 @@ at::Tensor encode(const at::Tensor& grad_in, const std::optional<at::Tensor>& re
                       "gradcomp: residual must match the gradient's dtype and element count; got ",
                       r.scalar_type(), "[", r.numel(), "] for ", grad.scalar_type(), "[", grad.numel(), "]");
     TORCH_CHECK_VALUE(r.is_contiguous(), "gradcomp: the residual must be contiguous (it is written in place)");
-    TORCH_CHECK_VALUE(grad.numel() == 0 || r.data_ptr() != grad.data_ptr(),
-                      "gradcomp: residual and gradient must be different tensors");
+    TORCH_CHECK_VALUE(at::get_overlap_status(r, grad) == at::MemOverlapStatus::No,
+                      "gradcomp: residual and gradient must be different tensors that share no memory");
     args.residual = r.data_ptr();
   }
   at::Tensor payload = at::empty({body_layout(args.header).total}, grad.options().dtype(at::kByte));
@@ -89,6 +90,8 @@ void decode_sum(const at::Tensor& payloads, at::Tensor& out, double alpha, bool 
   PayloadHeader h;
   std::memcpy(&h, args.payloads, sizeof h);
   TORCH_CHECK_VALUE(out.is_contiguous(), "gradcomp: out must be contiguous (it is written in place)");
+  TORCH_CHECK_VALUE(at::get_overlap_status(out, stacked) == at::MemOverlapStatus::No,
+                    "gradcomp: out must not share memory with the payloads");
   TORCH_CHECK_VALUE(!vote || static_cast<Codec>(h.codec) == Codec::SignSGD,
                     "gradcomp: vote=True applies to signsgd payloads only, not ", kCodecNames[h.codec]);
   args.out = out.data_ptr();

@@ -98,8 +98,8 @@ def codec(spec: str, **params: Any) -> "Codec":
 
 
 def _check_range(codec_name: str, key: str, value: Any, low: float, high: float, *, low_open: bool = False) -> None:
-    bad_low = value <= low if low_open else value < low
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or bad_low or value > high:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or (
+            value <= low if low_open else value < low) or value > high:
         bracket = "(" if low_open else "["
         raise ValueError(f"{codec_name}: {key}={value!r} is outside {bracket}{low}, {high}]")
 

@@ -19,6 +19,10 @@ struct CodecCase {
   int64_t param1;
 };
 
+void PrintTo(const CodecCase& c, std::ostream* os) {
+  *os << kCodecNames[static_cast<int>(c.codec)] << "(" << c.param0 << ", " << c.param1 << ")";
+}
+
 std::vector<float> gaussian(int64_t n, uint32_t seed) {
   std::mt19937 rng(seed);
   std::normal_distribution<float> normal;

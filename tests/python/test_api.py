@@ -170,3 +170,28 @@ def test_summable_view_exposes_the_values_for_allreduce():
     assert torch.equal(out, grad.half().float())
     with pytest.raises(ValueError, match="gathered, not summed"):
         gradcomp.codec("topk").summable_view(payload, 50, grad.dtype)
+
+
+def test_out_overlapping_the_payloads_is_refused():
+    c = gradcomp.codec("topk:ratio=1.0")
+    stacked = torch.stack([c.encode(torch.randn(4)), c.encode(torch.randn(4))])
+    inside = stacked.view(-1)[128:144].view(torch.float32)  # lies over payload 1's indices
+    before = stacked.clone()
+    with pytest.raises(ValueError, match="must not share memory with the payloads"):
+        c.decode_sum(stacked, inside)
+    assert torch.equal(stacked, before)
+
+
+def test_residual_overlapping_the_gradient_is_refused():
+    storage = torch.randn(150)
+    with pytest.raises(ValueError, match="share no memory"):
+        gradcomp.codec("signsgd").encode(storage[:100], storage[50:])
+
+
+def test_raw_op_refuses_blocks_whose_sizes_would_overflow():
+    with pytest.raises(ValueError, match=r"qsgd block outside \[1, 2\^40\]"):
+        torch.ops.gradcomp.encode(torch.ones(2), None, "qsgd", 1, 2**63 - 1)
+    with pytest.raises(ValueError, match="dtype id 256"):
+        gradcomp._ops._C.payload_nbytes("none", 256, 10)
+    with pytest.raises(ValueError, match=r"levels='3' is outside"):
+        gradcomp.codec("qsgd", levels="3")
