@@ -18,19 +18,23 @@ GC_HD float lane_tree_sum(float* lanes) {
   return lanes[0];
 }
 
+// The lane sum of value(i) for i in [begin, end), one chunk (at most kReduceChunk elements).
+template <typename Value>
+GC_HD float chunk_lane_sum(int64_t begin, int64_t end, Value&& value) {
+  float lanes[kLanes] = {};
+  int64_t i = begin;
+  for (; i + kLanes <= end; i += kLanes)
+    for (int lane = 0; lane < kLanes; ++lane) lanes[lane] += value(i + lane);
+  for (int lane = 0; i < end; ++i, ++lane) lanes[lane] += value(i);
+  return lane_tree_sum(lanes);
+}
+
 // Sum of value(i) for i in [0, len) in the canonical order above.
 template <typename Value>
 GC_HD double canonical_sum(int64_t len, Value&& value) {
   double total = 0.0;
-  for (int64_t begin = 0; begin < len; begin += kReduceChunk) {
-    const int64_t end = begin + kReduceChunk < len ? begin + kReduceChunk : len;
-    float lanes[kLanes] = {};
-    int64_t i = begin;
-    for (; i + kLanes <= end; i += kLanes)
-      for (int lane = 0; lane < kLanes; ++lane) lanes[lane] += value(i + lane);
-    for (int lane = 0; i < end; ++i, ++lane) lanes[lane] += value(i);
-    total += lane_tree_sum(lanes);
-  }
+  for (int64_t begin = 0; begin < len; begin += kReduceChunk)
+    total += chunk_lane_sum(begin, begin + kReduceChunk < len ? begin + kReduceChunk : len, value);
   return total;
 }
 

@@ -5,6 +5,9 @@
 
 #include <algorithm>
 #include <type_traits>
+#include <vector>
+
+#include "../common/reduce.h"
 
 #include "kernels.h"
 
@@ -14,6 +17,40 @@
 #endif
 
 namespace gradcomp {
+
+// Work items per parallel task: small buckets stay on the calling thread.
+constexpr int64_t kElementsPerTask = 1 << 16;
+
+// body over [0, count) items, in ranges of at least grain items (see ParallelFor).
+inline void for_ranges(ParallelFor parallel_for, int64_t count, int64_t grain, const RangeBody& body) {
+  if (count <= 0) return;
+  if (parallel_for && count > grain) parallel_for(count, grain, body);
+  else body(0, count);
+}
+
+// for_ranges over the chunks of chunk elements that cover n elements.
+inline void for_chunks(ParallelFor parallel_for, int64_t n, int64_t chunk, const RangeBody& chunk_range) {
+  for_ranges(parallel_for, ceil_div(n, chunk), std::max<int64_t>(1, kElementsPerTask / chunk), chunk_range);
+}
+
+// f(begin, len) for every chunk of `chunk` elements covering [0, n), on parallel ranges of chunks.
+template <typename F>
+void parallel_chunks(ParallelFor parallel_for, int64_t n, int64_t chunk, F&& f) {
+  for_chunks(parallel_for, n, chunk, [&](int64_t first, int64_t last) {
+    for (int64_t c = first; c < last; ++c) f(c * chunk, std::min(chunk, n - c * chunk));
+  });
+}
+
+// canonical_sum (reduce.h) with its chunks summed in parallel, then added in chunk order.
+template <typename Value>
+double parallel_canonical_sum(ParallelFor parallel_for, int64_t len, Value&& value) {
+  std::vector<float> partial(ceil_div(len, kReduceChunk));
+  parallel_chunks(parallel_for, len, kReduceChunk,
+                  [&](int64_t begin, int64_t n) { partial[begin / kReduceChunk] = chunk_lane_sum(begin, begin + n, value); });
+  double total = 0.0;
+  for (float p : partial) total += p;
+  return total;
+}
 
 // The gradient plus the old residual, in fp32: what a codec compresses under error feedback.
 template <bool kResidual, typename T>
@@ -49,14 +86,16 @@ constexpr int64_t kDecodeChunk = 2048;
 // The chunk start is always a multiple of kDecodeChunk (a multiple of 8, so bit codes align).
 template <typename T, typename AddPayload>
 void sum_payloads(const DecodeArgs& args, int64_t numel, AddPayload&& add) {
-  float acc[kDecodeChunk];
   T* out = static_cast<T*>(args.out);
-  for (int64_t begin = 0; begin < numel; begin += kDecodeChunk) {
-    const int64_t len = std::min(kDecodeChunk, numel - begin);
-    std::fill(acc, acc + len, 0.0f);
-    for (int64_t p = 0; p < args.count; ++p) add(args.payloads + p * args.stride, begin, len, acc);
-    for (int64_t i = 0; i < len; ++i) out[begin + i] = from_float<T>(acc[i] * args.alpha);
-  }
+  for_chunks(args.parallel_for, numel, kDecodeChunk, [&](int64_t first, int64_t last) {
+    float acc[kDecodeChunk];
+    for (int64_t begin = first * kDecodeChunk; begin < std::min(numel, last * kDecodeChunk); begin += kDecodeChunk) {
+      const int64_t len = std::min(kDecodeChunk, numel - begin);
+      std::fill(acc, acc + len, 0.0f);
+      for (int64_t p = 0; p < args.count; ++p) add(args.payloads + p * args.stride, begin, len, acc);
+      for (int64_t i = 0; i < len; ++i) out[begin + i] = from_float<T>(acc[i] * args.alpha);
+    }
+  });
 }
 
 // Decoded multipliers for every value of a code byte: signs (8 per byte, +1 for a set bit, -1

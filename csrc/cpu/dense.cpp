@@ -12,17 +12,15 @@ void encode_as(const EncodeArgs& a) {
   const T* grad = static_cast<const T*>(a.grad);
   T* residual = static_cast<T*>(a.residual);
   W* wire = field<W>(a.payload, kHeaderBytes);
-  const int64_t n = a.header.numel;
-  float m[kChunk], decoded[kChunk];
-  for (int64_t begin = 0; begin < n; begin += kChunk) {
-    const int64_t len = std::min(kChunk, n - begin);
+  parallel_chunks(a.parallel_for, a.header.numel, kChunk, [&](int64_t begin, int64_t len) {
+    float m[kChunk], decoded[kChunk];
     load_compensated<kResidual>(grad, residual, begin, len, m);
     for (int64_t i = 0; i < len; ++i) {
       wire[begin + i] = from_float<W>(m[i]);
       decoded[i] = to_float(wire[begin + i]);
     }
     if constexpr (kResidual) store_residuals(residual, begin, len, m, decoded);
-  }
+  });
 }
 
 template <typename T, typename W>

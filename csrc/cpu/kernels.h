@@ -1,6 +1,7 @@
 // The CPU codecs on raw pointers: no torch here, so GoogleTest and fuzzers use them directly.
 #pragma once
 
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -10,12 +11,20 @@
 
 namespace gradcomp {
 
+// Runs body over [0, count) cut into contiguous ranges of at least grain items, possibly on
+// several threads at once (the torch bridge passes at::parallel_for). Every codec splits its work
+// so that the result is the same bits whatever the ranges: per-range partial sums are combined in
+// a fixed order, and random numbers are keyed by element, not by thread.
+using RangeBody = std::function<void(int64_t begin, int64_t end)>;
+using ParallelFor = void (*)(int64_t count, int64_t grain, const RangeBody& body);
+
 struct EncodeArgs {
   PayloadHeader header;     // codec, dtype, numel, parameters and random key; copied to the payload
   uint32_t rank = 0;        // keys this rank's stochastic rounding
   const void* grad = nullptr;  // numel contiguous elements of header.dtype
   void* residual = nullptr;    // the same shape and dtype; nullptr: no error feedback
   uint8_t* payload = nullptr;  // body_layout(header).total bytes
+  ParallelFor parallel_for = nullptr;  // nullptr: the calling thread does everything
 };
 
 struct DecodeArgs {
@@ -25,6 +34,7 @@ struct DecodeArgs {
   void* out = nullptr;  // numel elements of the header's dtype, overwritten
   float alpha = 1.0f;   // out = alpha * sum of the decoded payloads
   bool vote = false;    // signsgd only: majority vote of the signs, scaled by the summed scales
+  ParallelFor parallel_for = nullptr;
 };
 
 PayloadHeader make_header(Codec codec, DType dtype, int64_t numel, int64_t param0, int64_t param1,

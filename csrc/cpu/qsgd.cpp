@@ -18,6 +18,7 @@ namespace gradcomp::GC_CODECS_NS {
 namespace {
 
 constexpr int64_t kPair = 2 * kTile;  // elements per batch of random words
+constexpr int64_t kFusedBlock = 8192;  // blocks up to this size are normed where they are quantized
 
 // Groups of 8 consecutive codes (from an element index that is a multiple of 8) start on a byte
 // and fill exactly kBits bytes: they are packed and unpacked as one little-endian integer, with
@@ -89,46 +90,69 @@ void encode_typed(const EncodeArgs& a) {
   const BodyLayout layout = body_layout(h);
   float* norms = field<float>(a.payload, layout.scales);
   uint8_t* stream = a.payload + layout.codes;
-  PairUniforms random{RandomKey{h.seed, h.step, h.bucket, a.rank}};
-  float m[kPair], decoded[kPair];
-  uint32_t code[kPair];  // the codes of the current pair, by position in the pair
-  for (int64_t begin = 0, b = 0; begin < n; begin += block, ++b) {
-    const int64_t end = std::min(begin + block, n);
-    const double squares = canonical_sum(end - begin, [&](int64_t i) {
+  const RandomKey key{h.seed, h.step, h.bucket, a.rank};
+  const auto block_norm = [&](int64_t b) {
+    const int64_t begin = b * block, len = std::min(block, n - begin);
+    return std::sqrt(static_cast<float>(canonical_sum(len, [&](int64_t i) {
       const float v = compensated<kResidual>(grad, residual, begin + i);
       return v * v;
+    })));
+  };
+  // The work goes in fixed slices of whole pairs (each pair's codes are packed by its slice). Small
+  // blocks are normed where they are quantized, while in cache, except those that straddle two
+  // slices: another slice may already be rewriting its half of the residual, so those are normed
+  // first. Large blocks are all normed first, in parallel.
+  constexpr int64_t kSlice = kElementsPerTask;  // a multiple of kPair
+  const bool fused_norms = block <= kFusedBlock;
+  const auto straddles = [&](int64_t b) {
+    return b * block / kSlice != (std::min(b * block + block, n) - 1) / kSlice;
+  };
+  if (!fused_norms) {
+    for_ranges(a.parallel_for, ceil_div(n, block), 1, [&](int64_t first, int64_t last) {
+      for (int64_t b = first; b < last; ++b) norms[b] = block_norm(b);
     });
-    const float norm = std::sqrt(static_cast<float>(squares));
-    norms[b] = norm;
-    const float inverse = norm > 0.0f && is_finite(norm) ? levels / norm : 0.0f;
-    const float step = norm / levels;
-    // Pieces of the block that stay inside one pair of random tiles.
-    for (int64_t piece = begin; piece < end;) {
-      const int64_t len = std::min(end, (piece / kPair + 1) * kPair) - piece;
-      const float* __restrict u = random.at(piece);
-      load_compensated<kResidual>(grad, residual, piece, len, m);
-      uint32_t* __restrict piece_code = code + piece % kPair;
-      for (int64_t i = 0; i < len; ++i) {
-        float r = __builtin_fabsf(m[i]) * inverse;
-        r = r >= 0.0f ? r : 0.0f;  // NaN -> 0
-        r = r > levels ? levels : r;
-        const int32_t floor_r = static_cast<int32_t>(r);  // truncation is floor: 0 <= r <= s
-        const int32_t level = floor_r + (u[i] < r - static_cast<float>(floor_r) ? 1 : 0);
-        const int32_t negative = m[i] < 0.0f ? 1 : 0;
-        piece_code[i] = static_cast<uint32_t>((level << 1) | negative);
-        const float magnitude = static_cast<float>(level) * step;
-        decoded[i] = negative ? -magnitude : magnitude;
-      }
-      if constexpr (kResidual) store_residuals(residual, piece, len, m, decoded);
-      piece += len;
-      if (piece % kPair == 0 || piece == n) {  // the pair is complete: pack its codes
-        const int64_t pair_begin = (piece - 1) / kPair * kPair;
-        visit_code_bits(bits, [&](auto width) {
-          pack_codes<decltype(width)::value>(code, piece - pair_begin, stream + pair_begin / 8 * bits);
-        });
+  } else {
+    for (int64_t s = 1; s * kSlice < n; ++s)
+      if (straddles(s * kSlice / block)) norms[s * kSlice / block] = block_norm(s * kSlice / block);
+  }
+  for_ranges(a.parallel_for, ceil_div(n, kSlice), 1, [&](int64_t first_slice, int64_t last_slice) {
+    const int64_t lo = first_slice * kSlice, hi = std::min(n, last_slice * kSlice);
+    PairUniforms random{key};
+    float m[kPair], decoded[kPair];
+    uint32_t code[kPair];  // the codes of the current pair, by position in the pair
+    for (int64_t b = lo / block; b * block < hi; ++b) {
+      const int64_t begin = b * block, end = std::min(begin + block, n);
+      const float norm = fused_norms && !straddles(b) ? (norms[b] = block_norm(b)) : norms[b];
+      const float inverse = norm > 0.0f && is_finite(norm) ? levels / norm : 0.0f;
+      const float step = norm / levels;
+      // Pieces of the block, inside this range, that stay inside one pair of random tiles.
+      for (int64_t piece = std::max(begin, lo); piece < std::min(end, hi);) {
+        const int64_t len = std::min(std::min(end, hi), (piece / kPair + 1) * kPair) - piece;
+        const float* __restrict u = random.at(piece);
+        load_compensated<kResidual>(grad, residual, piece, len, m);
+        uint32_t* __restrict piece_code = code + piece % kPair;
+        for (int64_t i = 0; i < len; ++i) {
+          float r = __builtin_fabsf(m[i]) * inverse;
+          r = r >= 0.0f ? r : 0.0f;  // NaN -> 0
+          r = r > levels ? levels : r;
+          const int32_t floor_r = static_cast<int32_t>(r);  // truncation is floor: 0 <= r <= s
+          const int32_t level = floor_r + (u[i] < r - static_cast<float>(floor_r) ? 1 : 0);
+          const int32_t negative = m[i] < 0.0f ? 1 : 0;
+          piece_code[i] = static_cast<uint32_t>((level << 1) | negative);
+          const float magnitude = static_cast<float>(level) * step;
+          decoded[i] = negative ? -magnitude : magnitude;
+        }
+        if constexpr (kResidual) store_residuals(residual, piece, len, m, decoded);
+        piece += len;
+        if (piece % kPair == 0 || piece == n) {  // the pair is complete: pack its codes
+          const int64_t pair_begin = (piece - 1) / kPair * kPair;
+          visit_code_bits(bits, [&](auto width) {
+            pack_codes<decltype(width)::value>(code, piece - pair_begin, stream + pair_begin / 8 * bits);
+          });
+        }
       }
     }
-  }
+  });
 }
 
 template <typename T>

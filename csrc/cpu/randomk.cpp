@@ -15,29 +15,36 @@ void encode_typed(const EncodeArgs& a) {
   T* residual = static_cast<T*>(a.residual);
   T* values = field<T>(a.payload, kHeaderBytes);
   const IndexPermutation pi(static_cast<uint32_t>(n), RandomKey{a.header.seed, a.header.step, a.header.bucket, 0});
-  if (!residual) {
-    for (int64_t j = 0; j < k; ++j) values[j] = grad[pi(static_cast<uint32_t>(j))];
-    return;
+  if (residual) {
+    parallel_chunks(a.parallel_for, n, 1024, [&](int64_t begin, int64_t len) {
+      for (int64_t i = begin; i < begin + len; ++i)
+        residual[i] = from_float<T>(to_float(grad[i]) + to_float(residual[i]));
+    });
   }
-  for (int64_t i = 0; i < n; ++i) residual[i] = from_float<T>(to_float(grad[i]) + to_float(residual[i]));
-  for (int64_t j = 0; j < k; ++j) {
-    const uint32_t i = pi(static_cast<uint32_t>(j));
-    values[j] = residual[i];
-    residual[i] = from_float<T>(0.0f);
-  }
+  const T* m = residual ? residual : grad;
+  for_ranges(a.parallel_for, k, kElementsPerTask / 8, [&](int64_t first, int64_t last) {
+    for (int64_t j = first; j < last; ++j) {  // pi is a bijection: each j owns its element
+      const uint32_t i = pi(static_cast<uint32_t>(j));
+      values[j] = m[i];
+      if (residual) residual[i] = from_float<T>(0.0f);
+    }
+  });
 }
 
 template <typename T>
 void decode_typed(const DecodeArgs& a, const PayloadHeader& h) {
   const int64_t n = h.numel, k = h.param0;
   T* out = static_cast<T*>(a.out);
-  std::fill(out, out + n, from_float<T>(0.0f));
+  parallel_chunks(a.parallel_for, n, 1024,
+                  [&](int64_t begin, int64_t len) { std::fill(out + begin, out + begin + len, from_float<T>(0.0f)); });
   const IndexPermutation pi(static_cast<uint32_t>(n), RandomKey{h.seed, h.step, h.bucket, 0});
-  for (int64_t j = 0; j < k; ++j) {
-    float sum = 0.0f;
-    for (int64_t p = 0; p < a.count; ++p) sum += to_float(field<T>(a.payloads + p * a.stride, kHeaderBytes)[j]);
-    out[pi(static_cast<uint32_t>(j))] = from_float<T>(sum * a.alpha);
-  }
+  for_ranges(a.parallel_for, k, kElementsPerTask / 8, [&](int64_t first, int64_t last) {
+    for (int64_t j = first; j < last; ++j) {
+      float sum = 0.0f;
+      for (int64_t p = 0; p < a.count; ++p) sum += to_float(field<T>(a.payloads + p * a.stride, kHeaderBytes)[j]);
+      out[pi(static_cast<uint32_t>(j))] = from_float<T>(sum * a.alpha);
+    }
+  });
 }
 
 }  // namespace

@@ -2,10 +2,6 @@
 // (m = gradient + residual): scale = (float)(canonical sum of |m| / n), the division in double. Body: scale, then ceil(n / 8) bytes; element i is bit (i % 8) of
 // byte i / 8, 1 for "+" (m >= 0, or NaN) and 0 for "-" (m < 0). Element i decodes to +scale or
 // -scale. With vote, decode-and-sum gives alpha * (sum of scales) * sign(sum of signs), 0 on a tie.
-#include <cstring>
-#include <vector>
-
-#include "../common/reduce.h"
 #include "chunked.h"
 
 namespace gradcomp::GC_CODECS_NS {
@@ -18,15 +14,14 @@ void encode_typed(const EncodeArgs& a) {
   const T* grad = static_cast<const T*>(a.grad);
   T* residual = static_cast<T*>(a.residual);
   const int64_t n = a.header.numel;
-  const double total =
-      canonical_sum(n, [&](int64_t i) { return __builtin_fabsf(compensated<kResidual>(grad, residual, i)); });
+  const double total = parallel_canonical_sum(
+      a.parallel_for, n, [&](int64_t i) { return __builtin_fabsf(compensated<kResidual>(grad, residual, i)); });
   const float scale = n > 0 ? static_cast<float>(total / static_cast<double>(n)) : 0.0f;
   *field<float>(a.payload, kHeaderBytes) = scale;
   uint8_t* bits = a.payload + body_layout(a.header).codes;
-  float m[kChunk], decoded[kChunk];
-  uint8_t positive[kChunk];
-  for (int64_t begin = 0; begin < n; begin += kChunk) {
-    const int64_t len = std::min(kChunk, n - begin);
+  parallel_chunks(a.parallel_for, n, kChunk, [&](int64_t begin, int64_t len) {
+    float m[kChunk], decoded[kChunk];
+    uint8_t positive[kChunk];
     load_compensated<kResidual>(grad, residual, begin, len, m);
     for (int64_t i = 0; i < len; ++i) {
       positive[i] = !(m[i] < 0.0f);
@@ -39,7 +34,7 @@ void encode_typed(const EncodeArgs& a) {
                                                     p[5] << 5 | p[6] << 6 | p[7] << 7);
     }
     if constexpr (kResidual) store_residuals(residual, begin, len, m, decoded);
-  }
+  });
 }
 
 template <typename T>
@@ -61,17 +56,15 @@ void decode_typed(const DecodeArgs& a, const PayloadHeader& h) {
   for (int64_t p = 0; p < a.count; ++p) scale_sum += *field<float>(a.payloads + p * a.stride, kHeaderBytes);
   const float magnitude = a.alpha * scale_sum;
   T* out = static_cast<T*>(a.out);
-  std::vector<float> votes(std::min(kDecodeChunk, h.numel));
-  for (int64_t begin = 0; begin < h.numel; begin += kDecodeChunk) {
-    const int64_t len = std::min(kDecodeChunk, h.numel - begin);
-    std::fill(votes.begin(), votes.begin() + len, 0.0f);
+  parallel_chunks(a.parallel_for, h.numel, kDecodeChunk, [&](int64_t begin, int64_t len) {
+    float votes[kDecodeChunk] = {};
     for (int64_t p = 0; p < a.count; ++p) {
       const uint8_t* bits = a.payloads + p * a.stride + codes + begin / 8;
       for (int64_t i = 0; i < len; ++i) votes[i] += byte_tables().sign[bits[i / 8]][i % 8];
     }
     for (int64_t i = 0; i < len; ++i)
       out[begin + i] = from_float<T>(votes[i] > 0 ? magnitude : votes[i] < 0 ? -magnitude : 0.0f);
-  }
+  });
 }
 
 }  // namespace

@@ -13,10 +13,15 @@ namespace {
 constexpr int64_t kChunk = 2 * kTile;  // one pair of random tiles
 
 template <typename T, bool kResidual>
-float max_abs(const T* grad, const T* residual, int64_t n) {
-  uint32_t key = 0;  // magnitude keys order like |m| and put NaN above Inf
-  for (int64_t i = 0; i < n; ++i) key = std::max(key, magnitude_key(compensated<kResidual>(grad, residual, i)));
-  return bits_float(key);
+float max_abs(ParallelFor parallel_for, const T* grad, const T* residual, int64_t n) {
+  // Magnitude keys order like |m| and put NaN above Inf; the maximum does not depend on order.
+  std::vector<uint32_t> partial(ceil_div(n, kReduceChunk), 0);
+  parallel_chunks(parallel_for, n, kReduceChunk, [&](int64_t begin, int64_t len) {
+    uint32_t key = 0;
+    for (int64_t i = begin; i < begin + len; ++i) key = std::max(key, magnitude_key(compensated<kResidual>(grad, residual, i)));
+    partial[begin / kReduceChunk] = key;
+  });
+  return bits_float(partial.empty() ? 0u : *std::max_element(partial.begin(), partial.end()));
 }
 
 template <typename T, bool kResidual>
@@ -24,15 +29,14 @@ void encode_typed(const EncodeArgs& a) {
   const T* grad = static_cast<const T*>(a.grad);
   T* residual = static_cast<T*>(a.residual);
   const int64_t n = a.header.numel;
-  const float scale = max_abs<T, kResidual>(grad, residual, n);
+  const float scale = max_abs<T, kResidual>(a.parallel_for, grad, residual, n);
   const float inverse = scale > 0.0f && is_finite(scale) ? 1.0f / scale : 0.0f;
   *field<float>(a.payload, kHeaderBytes) = scale;
   uint8_t* codes = a.payload + body_layout(a.header).codes;
   const RandomKey key{a.header.seed, a.header.step, a.header.bucket, a.rank};
-  float m[kChunk], uniform[kChunk], decoded[kChunk];
-  uint8_t code[kChunk];
-  for (int64_t begin = 0; begin < n; begin += kChunk) {
-    const int64_t len = std::min(kChunk, n - begin);
+  parallel_chunks(a.parallel_for, n, kChunk, [&](int64_t begin, int64_t len) {
+    float m[kChunk], uniform[kChunk], decoded[kChunk];
+    uint8_t code[kChunk];
     load_compensated<kResidual>(grad, residual, begin, len, m);
     tile_uniforms_x2(key, static_cast<uint64_t>(begin / kChunk), uniform);
     for (int64_t i = 0; i < len; ++i) {
@@ -48,7 +52,7 @@ void encode_typed(const EncodeArgs& a) {
       codes[begin / 4 + byte] = static_cast<uint8_t>(c[0] | c[1] << 2 | c[2] << 4 | c[3] << 6);
     }
     if constexpr (kResidual) store_residuals(residual, begin, len, m, decoded);
-  }
+  });
 }
 
 template <typename T>

@@ -64,25 +64,39 @@ uint32_t exact_lowest_key(const T* m, int64_t n, int64_t k) {
   return static_cast<uint32_t>(bin) << kBinShift;
 }
 
-// Gathers the elements whose key reaches lowest_key. With a residual, first replaces it by M =
-// grad + residual (rounded to T), the pass that error feedback needs anyway.
+// Gathers, in index order, the elements of [begin, end) whose key reaches lowest_key. With a
+// residual, first replaces it by M = grad + residual (rounded to T), the pass error feedback needs.
 template <typename T>
-void gather(const T* grad, T* residual, int64_t n, uint32_t lowest_key, Candidates& out) {
+void gather_range(const T* grad, T* residual, int64_t begin, int64_t end, uint32_t lowest_key, Candidates& out) {
   constexpr int64_t kChunk = 512;
   uint32_t keys[kChunk];
-  out.clear();
-  for (int64_t begin = 0; begin < n; begin += kChunk) {
-    const int64_t len = std::min(kChunk, n - begin);
+  for (int64_t first = begin; first < end; first += kChunk) {
+    const int64_t len = std::min(kChunk, end - first);
     if (residual) {
       for (int64_t i = 0; i < len; ++i) {
-        residual[begin + i] = from_float<T>(to_float(grad[begin + i]) + to_float(residual[begin + i]));
-        keys[i] = key_of(residual, begin + i);
+        residual[first + i] = from_float<T>(to_float(grad[first + i]) + to_float(residual[first + i]));
+        keys[i] = key_of(residual, first + i);
       }
     } else {
-      for (int64_t i = 0; i < len; ++i) keys[i] = key_of(grad, begin + i);
+      for (int64_t i = 0; i < len; ++i) keys[i] = key_of(grad, first + i);
     }
     for (int64_t i = 0; i < len; ++i)
-      if (keys[i] >= lowest_key) out.add(begin + i, keys[i]);
+      if (keys[i] >= lowest_key) out.add(first + i, keys[i]);
+  }
+}
+
+// gather_range over all n elements, in fixed slices that may run in parallel, joined in order.
+template <typename T>
+void gather(ParallelFor parallel_for, const T* grad, T* residual, int64_t n, uint32_t lowest_key, Candidates& out) {
+  std::vector<Candidates> slices(ceil_div(n, kElementsPerTask));
+  for_ranges(parallel_for, static_cast<int64_t>(slices.size()), 1, [&](int64_t first, int64_t last) {
+    for (int64_t s = first; s < last; ++s)
+      gather_range(grad, residual, s * kElementsPerTask, std::min(n, (s + 1) * kElementsPerTask), lowest_key, slices[s]);
+  });
+  out.clear();
+  for (const Candidates& slice : slices) {
+    out.index.insert(out.index.end(), slice.index.begin(), slice.index.end());
+    out.key.insert(out.key.end(), slice.key.begin(), slice.key.end());
   }
 }
 
@@ -101,11 +115,9 @@ void encode_typed(const EncodeArgs& a) {
     return magnitude_key(to_float(residual ? from_float<T>(to_float(grad[i]) + to_float(residual[i])) : grad[i]));
   });
   Candidates candidates;
-  candidates.index.reserve(2 * k + 64);
-  candidates.key.reserve(2 * k + 64);
-  gather(grad, residual, n, lowest_key, candidates);
+  gather(a.parallel_for, grad, residual, n, lowest_key, candidates);
   if (static_cast<int64_t>(candidates.key.size()) < k)  // the sample aimed too high: M is in place now
-    gather(m, static_cast<T*>(nullptr), n, exact_lowest_key(m, n, k), candidates);
+    gather(a.parallel_for, m, static_cast<T*>(nullptr), n, exact_lowest_key(m, n, k), candidates);
 
   // The k-th largest gathered key, and how many of the keys equal to it are taken.
   std::vector<uint32_t> keys(candidates.key);

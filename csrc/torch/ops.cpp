@@ -2,12 +2,18 @@
 // at::Tensor; everything below it works on raw pointers (csrc/cpu, cuda/).
 #include <ATen/ATen.h>
 #include <ATen/MemoryOverlap.h>
+#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include "../cpu/kernels.h"
 
 namespace gradcomp {
 namespace {
+
+// The kernels' ParallelFor on torch's intra-op thread pool (torch.set_num_threads applies).
+void torch_parallel_for(int64_t count, int64_t grain, const RangeBody& body) {
+  at::parallel_for(0, count, grain, [&](int64_t begin, int64_t end) { body(begin, end); });
+}
 
 DType wire_dtype(const at::Tensor& t, const char* what) {
   switch (t.scalar_type()) {
@@ -65,6 +71,7 @@ at::Tensor encode(const at::Tensor& grad_in, const std::optional<at::Tensor>& re
   }
   at::Tensor payload = at::empty({body_layout(args.header).total}, grad.options().dtype(at::kByte));
   args.payload = payload.data_ptr<uint8_t>();
+  args.parallel_for = torch_parallel_for;
   encode_cpu(args);
   return payload;
 }
@@ -97,6 +104,7 @@ void decode_sum(const at::Tensor& payloads, at::Tensor& out, double alpha, bool 
   args.out = out.data_ptr();
   args.alpha = static_cast<float>(alpha);
   args.vote = vote;
+  args.parallel_for = torch_parallel_for;
   decode_sum_cpu(args);
 }
 
