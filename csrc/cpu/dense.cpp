@@ -7,19 +7,25 @@ namespace {
 
 constexpr int64_t kChunk = 256;
 
+// One chunk; parameters, not captures: see signsgd.cpp.
+template <typename T, typename W, bool kResidual>
+void encode_chunk(const T* grad, T* residual, W* wire, int64_t begin, int64_t len) {
+  float m[kChunk], decoded[kChunk];
+  load_compensated<kResidual>(grad, residual, begin, len, m);
+  for (int64_t i = 0; i < len; ++i) {
+    wire[begin + i] = from_float<W>(m[i]);
+    decoded[i] = to_float(wire[begin + i]);
+  }
+  if constexpr (kResidual) store_residuals(residual, begin, len, m, decoded);
+}
+
 template <typename T, typename W, bool kResidual>
 void encode_as(const EncodeArgs& a) {
   const T* grad = static_cast<const T*>(a.grad);
   T* residual = static_cast<T*>(a.residual);
   W* wire = field<W>(a.payload, kHeaderBytes);
   parallel_chunks(a.parallel_for, a.header.numel, kChunk, [&](int64_t begin, int64_t len) {
-    float m[kChunk], decoded[kChunk];
-    load_compensated<kResidual>(grad, residual, begin, len, m);
-    for (int64_t i = 0; i < len; ++i) {
-      wire[begin + i] = from_float<W>(m[i]);
-      decoded[i] = to_float(wire[begin + i]);
-    }
-    if constexpr (kResidual) store_residuals(residual, begin, len, m, decoded);
+    encode_chunk<T, W, kResidual>(grad, residual, wire, begin, len);
   });
 }
 

@@ -79,6 +79,27 @@ struct PairUniforms {
   }
 };
 
+// Quantizes elements [piece, piece + len), all in one block and one pair of random tiles; code
+// points at the piece's place in its pair. Parameters, not captures: see signsgd.cpp.
+template <typename T, bool kResidual>
+void quantize_piece(const T* grad, T* residual, const float* __restrict u, float inverse, float step, float levels,
+                    uint32_t* __restrict code, int64_t piece, int64_t len) {
+  float m[kPair], decoded[kPair];
+  load_compensated<kResidual>(grad, residual, piece, len, m);
+  for (int64_t i = 0; i < len; ++i) {
+    float r = __builtin_fabsf(m[i]) * inverse;
+    r = r >= 0.0f ? r : 0.0f;  // NaN -> 0
+    r = r > levels ? levels : r;
+    const int32_t floor_r = static_cast<int32_t>(r);  // truncation is floor: 0 <= r <= s
+    const int32_t level = floor_r + (u[i] < r - static_cast<float>(floor_r) ? 1 : 0);
+    const int32_t negative = m[i] < 0.0f ? 1 : 0;
+    code[i] = static_cast<uint32_t>((level << 1) | negative);
+    const float magnitude = static_cast<float>(level) * step;
+    decoded[i] = negative ? -magnitude : magnitude;
+  }
+  if constexpr (kResidual) store_residuals(residual, piece, len, m, decoded);
+}
+
 template <typename T, bool kResidual>
 void encode_typed(const EncodeArgs& a) {
   const T* grad = static_cast<const T*>(a.grad);
@@ -118,7 +139,6 @@ void encode_typed(const EncodeArgs& a) {
   for_ranges(a.parallel_for, ceil_div(n, kSlice), 1, [&](int64_t first_slice, int64_t last_slice) {
     const int64_t lo = first_slice * kSlice, hi = std::min(n, last_slice * kSlice);
     PairUniforms random{key};
-    float m[kPair], decoded[kPair];
     uint32_t code[kPair];  // the codes of the current pair, by position in the pair
     for (int64_t b = lo / block; b * block < hi; ++b) {
       const int64_t begin = b * block, end = std::min(begin + block, n);
@@ -128,21 +148,8 @@ void encode_typed(const EncodeArgs& a) {
       // Pieces of the block, inside this range, that stay inside one pair of random tiles.
       for (int64_t piece = std::max(begin, lo); piece < std::min(end, hi);) {
         const int64_t len = std::min(std::min(end, hi), (piece / kPair + 1) * kPair) - piece;
-        const float* __restrict u = random.at(piece);
-        load_compensated<kResidual>(grad, residual, piece, len, m);
-        uint32_t* __restrict piece_code = code + piece % kPair;
-        for (int64_t i = 0; i < len; ++i) {
-          float r = __builtin_fabsf(m[i]) * inverse;
-          r = r >= 0.0f ? r : 0.0f;  // NaN -> 0
-          r = r > levels ? levels : r;
-          const int32_t floor_r = static_cast<int32_t>(r);  // truncation is floor: 0 <= r <= s
-          const int32_t level = floor_r + (u[i] < r - static_cast<float>(floor_r) ? 1 : 0);
-          const int32_t negative = m[i] < 0.0f ? 1 : 0;
-          piece_code[i] = static_cast<uint32_t>((level << 1) | negative);
-          const float magnitude = static_cast<float>(level) * step;
-          decoded[i] = negative ? -magnitude : magnitude;
-        }
-        if constexpr (kResidual) store_residuals(residual, piece, len, m, decoded);
+        quantize_piece<T, kResidual>(grad, residual, random.at(piece), inverse, step, levels, code + piece % kPair,
+                                     piece, len);
         piece += len;
         if (piece % kPair == 0 || piece == n) {  // the pair is complete: pack its codes
           const int64_t pair_begin = (piece - 1) / kPair * kPair;

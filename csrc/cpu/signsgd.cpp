@@ -9,6 +9,27 @@ namespace {
 
 constexpr int64_t kChunk = 256;  // a multiple of 8: chunks start on whole bytes
 
+// One chunk of the second pass. A function of its own, with the scale and pointers as parameters:
+// inside a lambda capturing them by reference, each byte stored could alias them (char stores
+// alias anything) and the compiler would reload them and give up vectorizing.
+template <typename T, bool kResidual>
+void encode_chunk(const T* grad, T* residual, float scale, uint8_t* bits, int64_t begin, int64_t len) {
+  float m[kChunk], decoded[kChunk];
+  uint8_t positive[kChunk];
+  load_compensated<kResidual>(grad, residual, begin, len, m);
+  for (int64_t i = 0; i < len; ++i) {
+    positive[i] = !(m[i] < 0.0f);
+    decoded[i] = positive[i] ? scale : -scale;
+  }
+  for (int64_t i = len; i < ceil_div(len, 8) * 8; ++i) positive[i] = 0;
+  for (int64_t byte = 0; byte < ceil_div(len, 8); ++byte) {
+    const uint8_t* p = positive + 8 * byte;
+    bits[begin / 8 + byte] = static_cast<uint8_t>(p[0] | p[1] << 1 | p[2] << 2 | p[3] << 3 | p[4] << 4 |
+                                                  p[5] << 5 | p[6] << 6 | p[7] << 7);
+  }
+  if constexpr (kResidual) store_residuals(residual, begin, len, m, decoded);
+}
+
 template <typename T, bool kResidual>
 void encode_typed(const EncodeArgs& a) {
   const T* grad = static_cast<const T*>(a.grad);
@@ -20,20 +41,7 @@ void encode_typed(const EncodeArgs& a) {
   *field<float>(a.payload, kHeaderBytes) = scale;
   uint8_t* bits = a.payload + body_layout(a.header).codes;
   parallel_chunks(a.parallel_for, n, kChunk, [&](int64_t begin, int64_t len) {
-    float m[kChunk], decoded[kChunk];
-    uint8_t positive[kChunk];
-    load_compensated<kResidual>(grad, residual, begin, len, m);
-    for (int64_t i = 0; i < len; ++i) {
-      positive[i] = !(m[i] < 0.0f);
-      decoded[i] = positive[i] ? scale : -scale;
-    }
-    for (int64_t i = len; i < ceil_div(len, 8) * 8; ++i) positive[i] = 0;
-    for (int64_t byte = 0; byte < ceil_div(len, 8); ++byte) {
-      const uint8_t* p = positive + 8 * byte;
-      bits[begin / 8 + byte] = static_cast<uint8_t>(p[0] | p[1] << 1 | p[2] << 2 | p[3] << 3 | p[4] << 4 |
-                                                    p[5] << 5 | p[6] << 6 | p[7] << 7);
-    }
-    if constexpr (kResidual) store_residuals(residual, begin, len, m, decoded);
+    encode_chunk<T, kResidual>(grad, residual, scale, bits, begin, len);
   });
 }
 

@@ -24,6 +24,29 @@ float max_abs(ParallelFor parallel_for, const T* grad, const T* residual, int64_
   return bits_float(partial.empty() ? 0u : *std::max_element(partial.begin(), partial.end()));
 }
 
+// One chunk (a pair of random tiles) of the second pass; parameters, not captures: see signsgd.cpp.
+template <typename T, bool kResidual>
+void encode_chunk(const T* grad, T* residual, float scale, float inverse, RandomKey key, uint8_t* codes,
+                  int64_t begin, int64_t len) {
+  float m[kChunk], uniform[kChunk], decoded[kChunk];
+  uint8_t code[kChunk];
+  load_compensated<kResidual>(grad, residual, begin, len, m);
+  tile_uniforms_x2(key, static_cast<uint64_t>(begin / kChunk), uniform);
+  for (int64_t i = 0; i < len; ++i) {
+    const bool nonzero = uniform[i] < __builtin_fabsf(m[i]) * inverse;
+    const bool negative = m[i] < 0.0f;
+    const float q = nonzero ? (negative ? -1.0f : 1.0f) : 0.0f;
+    decoded[i] = q * scale;
+    code[i] = static_cast<uint8_t>(nonzero | ((nonzero & negative) << 1));
+  }
+  for (int64_t i = len; i < ceil_div(len, 4) * 4; ++i) code[i] = 0;
+  for (int64_t byte = 0; byte < ceil_div(len, 4); ++byte) {
+    const uint8_t* c = code + 4 * byte;
+    codes[begin / 4 + byte] = static_cast<uint8_t>(c[0] | c[1] << 2 | c[2] << 4 | c[3] << 6);
+  }
+  if constexpr (kResidual) store_residuals(residual, begin, len, m, decoded);
+}
+
 template <typename T, bool kResidual>
 void encode_typed(const EncodeArgs& a) {
   const T* grad = static_cast<const T*>(a.grad);
@@ -35,23 +58,7 @@ void encode_typed(const EncodeArgs& a) {
   uint8_t* codes = a.payload + body_layout(a.header).codes;
   const RandomKey key{a.header.seed, a.header.step, a.header.bucket, a.rank};
   parallel_chunks(a.parallel_for, n, kChunk, [&](int64_t begin, int64_t len) {
-    float m[kChunk], uniform[kChunk], decoded[kChunk];
-    uint8_t code[kChunk];
-    load_compensated<kResidual>(grad, residual, begin, len, m);
-    tile_uniforms_x2(key, static_cast<uint64_t>(begin / kChunk), uniform);
-    for (int64_t i = 0; i < len; ++i) {
-      const bool nonzero = uniform[i] < __builtin_fabsf(m[i]) * inverse;
-      const bool negative = m[i] < 0.0f;
-      const float q = nonzero ? (negative ? -1.0f : 1.0f) : 0.0f;
-      decoded[i] = q * scale;
-      code[i] = static_cast<uint8_t>(nonzero | ((nonzero & negative) << 1));
-    }
-    for (int64_t i = len; i < ceil_div(len, 4) * 4; ++i) code[i] = 0;
-    for (int64_t byte = 0; byte < ceil_div(len, 4); ++byte) {
-      const uint8_t* c = code + 4 * byte;
-      codes[begin / 4 + byte] = static_cast<uint8_t>(c[0] | c[1] << 2 | c[2] << 4 | c[3] << 6);
-    }
-    if constexpr (kResidual) store_residuals(residual, begin, len, m, decoded);
+    encode_chunk<T, kResidual>(grad, residual, scale, inverse, key, codes, begin, len);
   });
 }
 
