@@ -5,8 +5,8 @@
 // Error feedback leaves M in the residual with the sent elements zeroed.
 //
 // Selection works on magnitude keys (bins = their top 11 bits) in one pass over the data: a
-// strided sample of 2^16 keys estimates a bin that at least k elements reach, with a safety
-// margin; the pass computes M (writing it to the residual under error feedback) and gathers
+// sample of 2^16 keys (256 evenly spaced runs of 256, cheap to read) estimates a bin that at
+// least k elements reach, with a safety margin; the pass computes M (writing it to the residual under error feedback) and gathers
 // every element at or above that bin, with its key, in index order (about 2k of them). The exact
 // k-th largest key is found among the gathered keys, and the gathered list yields every element
 // above it plus the first ones equal to it. Should the sample have aimed too high (fewer than k
@@ -23,7 +23,8 @@ namespace {
 
 constexpr int kBinShift = 20;  // keys are below 2^31: 11 bits of exponent and leading mantissa
 constexpr int kBins = 1 << (31 - kBinShift);
-constexpr int64_t kSample = 1 << 16;
+constexpr int64_t kSampleRuns = 256, kSampleRun = 256;
+constexpr int64_t kSample = kSampleRuns * kSampleRun;
 
 template <typename T>
 uint32_t key_of(const T* m, int64_t i) { return magnitude_key(to_float(m[i])); }
@@ -38,13 +39,15 @@ struct Candidates {
   }
 };
 
-// The lowest key of the bin that, by a strided sample of the keys, at least k elements reach,
-// lowered by a margin of about four standard deviations of the sample count.
+// The lowest key of the bin that, by a sample of the keys, at least k elements reach, lowered by a
+// margin of about four standard deviations of the sample count.
 template <typename KeyAt>
 uint32_t estimated_lowest_key(int64_t n, int64_t k, KeyAt&& key_at) {
   if (n <= kSample) return 0;  // small tensors: gather everything
   std::vector<int64_t> histogram(kBins, 0);
-  for (int64_t j = 0; j < kSample; ++j) ++histogram[key_at(j * (n / kSample)) >> kBinShift];
+  for (int64_t run = 0; run < kSampleRuns; ++run)
+    for (int64_t j = run * (n / kSampleRuns); j < run * (n / kSampleRuns) + kSampleRun; ++j)
+      ++histogram[key_at(j) >> kBinShift];
   const double expected = static_cast<double>(k) * kSample / n;
   const double wanted = expected + 4.0 * std::sqrt(expected) + 16.0;
   int64_t reached = 0;

@@ -178,7 +178,7 @@ TEST(TopK, SelectsTheLargestMagnitudesWithLowerIndexOnTies) {
 }
 
 TEST(TopK, LargeTensorsTakeTheSampledPath) {
-  // Above 2^16 elements the threshold bin is estimated from a sample of every (n / 2^16)-th key.
+  // Above 2^16 elements the threshold bin is estimated from a sample: 256 runs of 256 keys.
   const int64_t n = 300007;
   auto grad = gaussian(n, 21);
   for (int64_t k : {int64_t{1}, int64_t{300}, int64_t{3001}, int64_t{60000}, n}) expect_topk(grad, k);
@@ -190,9 +190,9 @@ TEST(TopK, LargeTensorsTakeTheSampledPath) {
 TEST(TopK, ASampleThatAimsTooHighFallsBackToTheExactBin) {
   // Large values exactly where the sample looks, small ones elsewhere: the sample promises far
   // more large elements than exist, so fewer than k are gathered and the exact pass must run.
-  const int64_t n = 1 << 20, stride = n >> 16;
+  const int64_t n = 1 << 20, run_spacing = n / 256;  // the sample reads [r * spacing, r * spacing + 256)
   std::vector<float> grad(n);
-  for (int64_t i = 0; i < n; ++i) grad[i] = (i % stride == 0) ? 100.0f + (i % 7) : 0.001f * (i % 13);
+  for (int64_t i = 0; i < n; ++i) grad[i] = (i % run_spacing < 256) ? 100.0f + (i % 7) : 0.001f * (i % 13);
   for (int64_t k : {70000, 200000}) expect_topk(grad, k);
 }
 
