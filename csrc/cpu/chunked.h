@@ -79,6 +79,19 @@ void visit_encode(const EncodeArgs& a, F&& f) {
   });
 }
 
+// Defines encode_<codec> and decode_<codec> for a file whose templates are
+// encode_typed<T, kResidual>(args) and decode_typed<T>(args, header).
+#define GRADCOMP_TYPED_ENTRY_POINTS(codec)                                                        \
+  void encode_##codec(const EncodeArgs& a) {                                                      \
+    visit_encode(a, [&](auto* t, auto has_residual) {                                             \
+      encode_typed<std::remove_pointer_t<decltype(t)>, decltype(has_residual)::value>(a);         \
+    });                                                                                           \
+  }                                                                                               \
+  void decode_##codec(const DecodeArgs& a, const PayloadHeader& h) {                              \
+    visit_dtype(static_cast<DType>(h.dtype),                                                      \
+                [&](auto* t) { decode_typed<std::remove_pointer_t<decltype(t)>>(a, h); });         \
+  }
+
 constexpr int64_t kDecodeChunk = 2048;
 
 // out[i] = alpha * sum over payloads p (in order) of decoded_p[i], accumulated in fp32.

@@ -189,15 +189,6 @@ void decode_typed(const DecodeArgs& a, const PayloadHeader& h) {
 
 }  // namespace
 
-void encode_qsgd(const EncodeArgs& a) {
-  visit_encode(a, [&](auto* t, auto has_residual) {
-    encode_typed<std::remove_pointer_t<decltype(t)>, decltype(has_residual)::value>(a);
-  });
-}
-
-void decode_qsgd(const DecodeArgs& a, const PayloadHeader& h) {
-  visit_dtype(static_cast<DType>(h.dtype),
-              [&](auto* t) { decode_typed<std::remove_pointer_t<decltype(t)>>(a, h); });
-}
+GRADCOMP_TYPED_ENTRY_POINTS(qsgd)
 
 }  // namespace gradcomp::GC_CODECS_NS

@@ -78,15 +78,6 @@ void decode_typed(const DecodeArgs& a, const PayloadHeader& h) {
 
 }  // namespace
 
-void encode_terngrad(const EncodeArgs& a) {
-  visit_encode(a, [&](auto* t, auto has_residual) {
-    encode_typed<std::remove_pointer_t<decltype(t)>, decltype(has_residual)::value>(a);
-  });
-}
-
-void decode_terngrad(const DecodeArgs& a, const PayloadHeader& h) {
-  visit_dtype(static_cast<DType>(h.dtype),
-              [&](auto* t) { decode_typed<std::remove_pointer_t<decltype(t)>>(a, h); });
-}
+GRADCOMP_TYPED_ENTRY_POINTS(terngrad)
 
 }  // namespace gradcomp::GC_CODECS_NS
