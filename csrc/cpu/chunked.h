@@ -132,6 +132,16 @@ inline const ByteTables& byte_tables() {
   return tables;
 }
 
+// acc[i] += table[code i] * scale for len codes packed kPerByte to a byte, from a byte boundary.
+template <int kPerByte>
+inline void add_byte_codes(const float (*table)[kPerByte], const uint8_t* bytes, int64_t len, float scale,
+                           float* acc) {
+  int64_t i = 0;
+  for (; i + kPerByte <= len; i += kPerByte)
+    for (int j = 0; j < kPerByte; ++j) acc[i + j] += table[bytes[i / kPerByte]][j] * scale;
+  for (; i < len; ++i) acc[i] += table[bytes[i / kPerByte]][i % kPerByte] * scale;
+}
+
 template <typename T>
 inline const T* field(const uint8_t* payload, int64_t offset) {
   return reinterpret_cast<const T*>(payload + offset);

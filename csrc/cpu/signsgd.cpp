@@ -50,13 +50,8 @@ void decode_typed(const DecodeArgs& a, const PayloadHeader& h) {
   const int64_t codes = body_layout(h).codes;
   if (!a.vote) {
     sum_payloads<T>(a, h.numel, [&](const uint8_t* payload, int64_t begin, int64_t len, float* acc) {
-      const float scale = *field<float>(payload, kHeaderBytes);
-      const uint8_t* bits = payload + codes + begin / 8;
-      const auto& sign = byte_tables().sign;
-      int64_t i = 0;
-      for (; i + 8 <= len; i += 8)
-        for (int j = 0; j < 8; ++j) acc[i + j] += sign[bits[i / 8]][j] * scale;
-      for (; i < len; ++i) acc[i] += sign[bits[i / 8]][i % 8] * scale;
+      add_byte_codes<8>(byte_tables().sign, payload + codes + begin / 8, len, *field<float>(payload, kHeaderBytes),
+                        acc);
     });
     return;
   }
@@ -66,10 +61,8 @@ void decode_typed(const DecodeArgs& a, const PayloadHeader& h) {
   T* out = static_cast<T*>(a.out);
   parallel_chunks(a.parallel_for, h.numel, kDecodeChunk, [&](int64_t begin, int64_t len) {
     float votes[kDecodeChunk] = {};
-    for (int64_t p = 0; p < a.count; ++p) {
-      const uint8_t* bits = a.payloads + p * a.stride + codes + begin / 8;
-      for (int64_t i = 0; i < len; ++i) votes[i] += byte_tables().sign[bits[i / 8]][i % 8];
-    }
+    for (int64_t p = 0; p < a.count; ++p)  // each sign counts +1 or -1
+      add_byte_codes<8>(byte_tables().sign, a.payloads + p * a.stride + codes + begin / 8, len, 1.0f, votes);
     for (int64_t i = 0; i < len; ++i)
       out[begin + i] = from_float<T>(votes[i] > 0 ? magnitude : votes[i] < 0 ? -magnitude : 0.0f);
   });

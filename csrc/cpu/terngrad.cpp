@@ -66,13 +66,8 @@ template <typename T>
 void decode_typed(const DecodeArgs& a, const PayloadHeader& h) {
   const int64_t offset = body_layout(h).codes;
   sum_payloads<T>(a, h.numel, [&](const uint8_t* payload, int64_t begin, int64_t len, float* acc) {
-    const float scale = *field<float>(payload, kHeaderBytes);
-    const uint8_t* codes = payload + offset + begin / 4;
-    const auto& ternary = byte_tables().ternary;
-    int64_t i = 0;
-    for (; i + 4 <= len; i += 4)
-      for (int j = 0; j < 4; ++j) acc[i + j] += ternary[codes[i / 4]][j] * scale;
-    for (; i < len; ++i) acc[i] += ternary[codes[i / 4]][i % 4] * scale;
+    add_byte_codes<4>(byte_tables().ternary, payload + offset + begin / 4, len, *field<float>(payload, kHeaderBytes),
+                      acc);
   });
 }
 
