@@ -30,6 +30,7 @@ PYBIND11_MODULE(_C, m) {
   m.attr("payload_align") = kPayloadAlign;
   m.attr("format_version") = kFormatVersion;
   m.attr("max_levels") = kMaxLevels;
+  m.attr("max_block") = kMaxBlock;
 #ifdef GRADCOMP_CUDA_KERNELS  // defined once the CUDA codecs are compiled in
   m.attr("cuda_built") = true;
 #else

@@ -169,11 +169,14 @@ class PayloadCodec(Codec):
         if self.collective != "allreduce":
             raise ValueError(f"{self.name} payloads are gathered, not summed")
         wire = self.wire_dtype(dtype)
-        count = self.wire_params(numel)[0] if self.name == "randomk" else numel
-        return payload[HEADER_BYTES : HEADER_BYTES + count * wire.itemsize].view(wire)
+        return payload[HEADER_BYTES : HEADER_BYTES + self.value_count(numel) * wire.itemsize].view(wire)
 
     def wire_dtype(self, dtype: torch.dtype) -> torch.dtype:
         return dtype
+
+    def value_count(self, numel: int) -> int:
+        """How many values an allreduce codec's body holds for numel gradient elements."""
+        return numel
 
 
 @_register("none", {}, "n values in the gradient's dtype; allreduce (plain DDP)")
@@ -224,7 +227,7 @@ class TernGrad(PayloadCodec):
 class QSGD(PayloadCodec):
     def __init__(self, levels: int = 15, block: int = 512, seed: int = 0, error_feedback: bool = False):
         _check_range("qsgd", "levels", levels, 1, _ops._C.max_levels)
-        _check_range("qsgd", "block", block, 1, 2**40)
+        _check_range("qsgd", "block", block, 1, _ops._C.max_block)
         if not (isinstance(levels, int) and isinstance(block, int)):
             raise ValueError(f"qsgd: levels and block must be integers, got levels={levels!r}, block={block!r}")
         super().__init__(error_feedback, levels=levels, block=block, seed=seed)
@@ -258,3 +261,6 @@ class RandomK(PayloadCodec):
 
     def wire_params(self, numel):
         return count_for_ratio(self.ratio, numel), 0
+
+    def value_count(self, numel):
+        return count_for_ratio(self.ratio, numel)
