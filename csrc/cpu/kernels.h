@@ -51,8 +51,9 @@ std::string validate_payloads(const uint8_t* payloads, int64_t count, int64_t st
 
 void decode_sum_cpu(const DecodeArgs& args);
 
-// Orthonormalizes the columns of a row-major rows x cols fp32 matrix in place (modified
-// Gram-Schmidt); a column whose norm falls below eps after projection becomes zero.
+// Orthonormalizes the columns of a row-major rows x cols fp32 matrix in place (Gram-Schmidt with
+// re-orthogonalization); a column whose norm after the projections falls below eps, or below
+// 2^-16 of its original norm (it depended on the earlier columns), becomes zero.
 void orthogonalize_cpu(float* matrix, int64_t rows, int64_t cols, float eps);
 
 // Per-codec entry points, one file each, compiled once per instruction-set variant into its own

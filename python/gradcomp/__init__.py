@@ -1,6 +1,8 @@
 """gradcomp: gradient compression for PyTorch DistributedDataParallel.
 
     import gradcomp
+    state = gradcomp.register(ddp_model, "topk:ratio=0.01")   # the DDP communication hook
+    state.stats(), state.state_dict()                         # bytes on the wire; checkpoints
     gradcomp.available()                      # every codec with its parameters and defaults
     c = gradcomp.codec("qsgd:levels=16,block=512")
     payload = c.encode(grad, residual)        # residual (error feedback) is updated in place
@@ -9,10 +11,12 @@
 
 from . import _ops  # noqa: F401  (loads gradcomp._C: registers torch.ops.gradcomp.*)
 from .codecs import Codec, PayloadCodec, available, codec, count_for_ratio, describe, parse_spec
+from .hook import CompressionState, hook, register
 from .powersgd import PowerSGD
 
 __version__ = "0.1.0"
 cuda_built = _ops._C.cuda_built
 cpu_isa = _ops._C.cpu_isa
 
-__all__ = ["Codec", "PayloadCodec", "PowerSGD", "available", "codec", "count_for_ratio", "describe", "parse_spec"]
+__all__ = ["Codec", "CompressionState", "PayloadCodec", "PowerSGD", "available", "codec", "count_for_ratio", "describe",
+           "hook", "parse_spec", "register"]

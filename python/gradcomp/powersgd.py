@@ -8,31 +8,37 @@ For a gradient tensor viewed as a matrix G (rows = shape[0]) and error-feedback 
     out = alpha * P Q^T,   E = M - out
 What travels per matrix: P (rows x r) and Q (cols x r) in fp32. Tensors that are 1-D, or whose
 compression rate rows*cols / ((rows + cols) * r) is below min_compression_rate, travel whole.
-The matrix products go through ATen (BLAS / cuBLAS).
+The matrix products go through ATen (BLAS / cuBLAS); with batch_same_shape, the matrices of one
+bucket that share a shape go through one batched product and one batched orthogonalization.
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 
 from .codecs import Codec, _check_range, _check_seed, _register
 
 
-@_register("powersgd", {"rank": 2, "min_compression_rate": 2.0, "warm_start": True, "seed": 0, "error_feedback": True},
+@_register("powersgd", {"rank": 2, "min_compression_rate": 2.0, "warm_start": True, "batch_same_shape": False, "seed": 0,
+                       "error_feedback": True},
            "P (m x r) and Q (n x r) fp32 per matrix, small and 1-D tensors whole; allreduce x2")
 class PowerSGD(Codec):
     collective = "allreduce"
 
-    def __init__(self, rank: int = 2, min_compression_rate: float = 2.0, warm_start: bool = True, seed: int = 0,
-                 error_feedback: bool = True):
+    def __init__(self, rank: int = 2, min_compression_rate: float = 2.0, warm_start: bool = True,
+                 batch_same_shape: bool = False, seed: int = 0, error_feedback: bool = True):
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
             raise ValueError(f"powersgd: rank={rank!r} must be an integer >= 1")
         _check_range("powersgd", "min_compression_rate", min_compression_rate, 0, float("inf"))
-        if not isinstance(warm_start, bool):
-            raise ValueError(f"powersgd: warm_start must be True or False, got {warm_start!r}")
+        for flag, value in (("warm_start", warm_start), ("batch_same_shape", batch_same_shape)):
+            if not isinstance(value, bool):
+                raise ValueError(f"powersgd: {flag} must be True or False, got {value!r}")
         super().__init__(error_feedback, rank=rank, min_compression_rate=float(min_compression_rate),
-                         warm_start=warm_start, seed=seed)
+                         warm_start=warm_start, batch_same_shape=batch_same_shape, seed=seed)
         self.rank, self.min_compression_rate, self.warm_start = rank, float(min_compression_rate), warm_start
+        self.batch_same_shape = batch_same_shape
         self.seed = _check_seed(self.name, seed)
 
     @staticmethod
@@ -63,10 +69,11 @@ class PowerSGD(Codec):
         rows, cols = self.matrix_shape(shape)
         return (rows + cols) * self.effective_rank(shape) * 4
 
-    def initial_q(self, shape, *, bucket: int = 0, index: int = 0, device=None) -> torch.Tensor:
-        """The starting Q (cols x r): N(0, 1), identical on every rank for the same (seed, bucket, index)."""
+    def initial_q(self, shape, *, bucket: int = 0, index: int = 0, step: int = 0, device=None) -> torch.Tensor:
+        """The starting Q (cols x r): N(0, 1), identical on every rank for the same (seed, bucket, index, step)."""
         rows, cols = self.matrix_shape(shape)
-        generator = torch.Generator().manual_seed((self.seed * 1_000_003 + bucket * 10_007 + index) % 2**63)
+        key = (self.seed * 1_000_003 + bucket * 10_007 + index + step * 998_244_353) % 2**63
+        generator = torch.Generator().manual_seed(key)
         q = torch.randn(cols, self.effective_rank(shape), generator=generator)
         return q.to(device) if device is not None else q
 
@@ -111,3 +118,171 @@ class PowerSGD(Codec):
         m, p = self.compute_p(grad, residual, q)
         self.compute_q(m, self.orthogonalize(p), q)
         return self.decompress(p, q, m, out, residual)
+
+
+def _grouped_offsets(groups, size_of):
+    """Start of each group's block in a flat buffer where every group holds len(members) blocks of size_of(g)."""
+    offsets, total = [], 0
+    for group in groups:
+        offsets.append(total)
+        total += len(group[3]) * size_of(group)
+    return offsets, total
+
+
+class PowerSGDBucket:
+    """One DDP bucket under PowerSGD: its matrices travel as P and Q, its 1-D and small tensors whole.
+
+    Layout (fp32): the residual holds M = grad + residual for every compressed tensor, grouped by
+    shape when batch_same_shape (so a group is one [b, rows, cols] block); P and Q likewise, and the
+    whole tensors ride at the end of the P buffer, so a step is two allreduces: P (+ whole), then Q.
+    """
+
+    def __init__(self, codec: PowerSGD, index: int, keys, shapes, dtype: torch.dtype, device):
+        self.codec, self.index, self.keys, self.dtype = codec, index, tuple(keys), dtype
+        self.shapes = [torch.Size(s) for s in shapes]
+        self.numel = sum(s.numel() for s in self.shapes)
+        groups: dict[tuple, list[int]] = {}
+        for position, shape in enumerate(self.shapes):
+            if codec.compresses(shape):
+                rows, cols = codec.matrix_shape(shape)
+                own_group = -1 if codec.batch_same_shape else position
+                groups.setdefault((rows, cols, codec.effective_rank(shape), own_group), []).append(position)
+        self.groups = [(rows, cols, r, members) for (rows, cols, r, _), members in groups.items()]
+        compressed = {p for g in self.groups for p in g[3]}
+        self.whole = [p for p in range(len(self.shapes)) if p not in compressed]
+        self.m_offsets, m_numel = _grouped_offsets(self.groups, lambda g: g[0] * g[1])
+        self.p_offsets, self.p_numel = _grouped_offsets(self.groups, lambda g: g[0] * g[2])
+        self.q_offsets, q_numel = _grouped_offsets(self.groups, lambda g: g[1] * g[2])
+        self.whole_numel = sum(self.shapes[p].numel() for p in self.whole)
+        self.m_numel = m_numel
+        self.wire_bytes = 4 * (self.p_numel + self.whole_numel + q_numel)
+        self.residual = torch.zeros(m_numel, device=device) if codec.error_feedback else None
+        self.q = torch.empty(q_numel, device=device)
+        self._draw_q(step=0)
+
+    @property
+    def device(self):
+        return self.q.device
+
+    def _block(self, flat: torch.Tensor, offsets, g: int, a: int, b: int) -> torch.Tensor:
+        members = self.groups[g][3]
+        return flat[offsets[g]: offsets[g] + len(members) * a * b].view(len(members), a, b)
+
+    def _m(self, flat, g):
+        return self._block(flat, self.m_offsets, g, self.groups[g][0], self.groups[g][1])
+
+    def _p(self, flat, g):
+        return self._block(flat, self.p_offsets, g, self.groups[g][0], self.groups[g][2])
+
+    def _q(self, g):
+        return self._block(self.q, self.q_offsets, g, self.groups[g][1], self.groups[g][2])
+
+    def _draw_q(self, step: int) -> None:
+        for g, (_, _, _, members) in enumerate(self.groups):
+            q = self._q(g)
+            for j, position in enumerate(members):
+                q[j].copy_(self.codec.initial_q(self.shapes[position], bucket=self.index, index=position, step=step))
+
+    def launch(self, step, flat: torch.Tensor, views) -> torch.futures.Future:
+        """Starts P's allreduce; the future completes with flat holding the averaged gradient."""
+        started = time.perf_counter()
+        codec, world = self.codec, step.world
+        m = self.residual if self.residual is not None else torch.empty(self.m_numel, device=flat.device)
+        for g, (rows, cols, _, members) in enumerate(self.groups):
+            block = self._m(m, g)
+            for j, position in enumerate(members):
+                source = views[position].reshape(rows, cols)
+                block[j].add_(source) if self.residual is not None else block[j].copy_(source)
+        if not codec.warm_start:
+            self._draw_q(step.step)
+        p = torch.empty(self.p_numel + self.whole_numel, device=flat.device)
+        for g in range(len(self.groups)):
+            torch.matmul(self._m(m, g), self._q(g), out=self._p(p, g))
+        whole = p[self.p_numel:]
+        offset = 0
+        for position in self.whole:
+            n = self.shapes[position].numel()
+            whole[offset: offset + n].copy_(views[position].reshape(-1))
+            offset += n
+        whole.div_(world)  # averaged before the sum, as plain DDP does
+        step.add("encode_s", time.perf_counter() - started)
+        result = step.new_future(flat.device)
+        q_ticket = step.sequencer.ticket()  # Q's allreduce is started from a callback: keep rank order
+
+        def launch_q():  # issued even after an error here, so that the other ranks are not left waiting
+            try:
+                step.chain(step.allreduce(self.q), after_q, result)
+            except BaseException as error:  # noqa: BLE001 - handed to the waiting DDP reducer
+                if not result.done():
+                    result.set_exception(error)
+
+        def after_p(summed_p):
+            try:
+                compute_q(summed_p)
+            except BaseException as error:  # noqa: BLE001 - handed to the waiting DDP reducer
+                result.set_exception(error)
+            step.sequencer.submit(q_ticket, launch_q)
+
+        def compute_q(summed_p):
+            started = time.perf_counter()
+            summed_p.value()
+            offset = 0
+            for position in self.whole:
+                n = self.shapes[position].numel()
+                views[position].copy_(whole[offset: offset + n].view(views[position].shape))
+                offset += n
+            for g in range(len(self.groups)):
+                p_block = self._p(p, g)
+                torch.ops.gradcomp.orthogonalize_(p_block, 0.0)
+                torch.matmul(self._m(m, g).transpose(1, 2), p_block, out=self._q(g))
+            step.add("encode_s", time.perf_counter() - started)
+
+        def after_q(summed_q):
+            started = time.perf_counter()
+            summed_q.value()
+            if result.done():  # this rank failed earlier in the step
+                return
+            for g, (rows, cols, _, members) in enumerate(self.groups):
+                approx = torch.matmul(self._p(p, g), self._q(g).transpose(1, 2)).div_(world)
+                block = self._m(m, g)
+                for j, position in enumerate(members):
+                    views[position].copy_(approx[j].view(views[position].shape))
+                    if self.residual is not None:  # what was delivered, after rounding to the gradient's dtype
+                        block[j].sub_(views[position].reshape(rows, cols))
+            step.add("decode_s", time.perf_counter() - started)
+            result.set_result(flat)
+
+        step.chain(step.allreduce(p), after_p, result)
+        return result
+
+    def pieces(self) -> dict:
+        """Per-parameter state (residual and Q views), so that a new bucket layout can take it over."""
+        out: dict = {}
+        for g, (rows, cols, _, members) in enumerate(self.groups):
+            for j, position in enumerate(members):
+                piece = out.setdefault(self.keys[position], {})
+                piece["q"] = self._q(g)[j]
+                if self.residual is not None:
+                    piece["residual"] = self._m(self.residual, g)[j]
+        return out
+
+    def take(self, pool: dict) -> None:
+        """Takes over the state of this bucket's parameters from pool (removing what it used)."""
+        for g, (rows, cols, _, members) in enumerate(self.groups):
+            for j, position in enumerate(members):
+                piece = pool.pop(self.keys[position], None) or {}
+                if "q" in piece and piece["q"].shape == self._q(g)[j].shape:
+                    self._q(g)[j].copy_(piece["q"])
+                if self.residual is not None and "residual" in piece and piece["residual"].numel() == rows * cols:
+                    self._m(self.residual, g)[j].copy_(piece["residual"].reshape(rows, cols))
+
+    def tensors(self) -> dict:
+        return {"q": self.q, "residual": self.residual}
+
+    def load_tensors(self, tensors: dict) -> None:
+        self.q = tensors["q"].clone()
+        self.residual = None if tensors.get("residual") is None else tensors["residual"].clone()
+
+    def to(self, device) -> None:
+        self.q = self.q.to(device)
+        self.residual = None if self.residual is None else self.residual.to(device)

@@ -278,4 +278,14 @@ TEST(Orthogonalize, DependentColumnBecomesZero) {
   for (int64_t r = 0; r < rows; ++r) EXPECT_EQ(m[r * cols + 1], 0.0f);
 }
 
+TEST(Orthogonalize, NumericallyDependentColumnBecomesZeroWithoutEps) {
+  // Column 2 = 3 * column 0 - column 1 up to rounding: its remainder is noise, which must not be
+  // normalized into a third "direction" (with eps = 0, only the relative test catches it).
+  const int64_t rows = 64, cols = 3;
+  auto m = gaussian(rows * cols, 5);
+  for (int64_t r = 0; r < rows; ++r) m[r * cols + 2] = 3.0f * m[r * cols] - m[r * cols + 1];
+  orthogonalize_cpu(m.data(), rows, cols, 0.0f);
+  for (int64_t r = 0; r < rows; ++r) EXPECT_EQ(m[r * cols + 2], 0.0f) << r;
+}
+
 }  // namespace

@@ -7,11 +7,13 @@ import gradcomp
 
 
 def reference_gram_schmidt(p: torch.Tensor) -> torch.Tensor:
-    """Modified Gram-Schmidt in float64, column by column, written with plain torch ops."""
+    """Modified Gram-Schmidt in float64, column by column, written with plain torch ops; a column
+    that (nearly) lies in the span of the earlier ones becomes zero."""
     q = p.double().clone()
+    original = q.norm(dim=0)
     for i in range(q.shape[1]):
         norm = q[:, i].norm()
-        q[:, i] = q[:, i] / norm if norm > 0 else 0
+        q[:, i] = q[:, i] / norm if norm > original[i] / 65536 else 0
         q[:, i + 1:] -= torch.outer(q[:, i], q[:, i] @ q[:, i + 1:])
     return q.float()
 
@@ -105,6 +107,10 @@ def test_orthogonalize_matches_reference_and_zeroes_dependent_columns():
     dependent = torch.randn(10, 1).repeat(1, 2)
     torch.ops.gradcomp.orthogonalize_(dependent, 1e-4)
     assert torch.all(dependent[:, 1] == 0)
+    rank_two = torch.randn(30, 2) @ torch.randn(2, 4)  # columns 2 and 3 depend on 0 and 1
+    torch.ops.gradcomp.orthogonalize_(rank_two, 0.0)
+    assert torch.all(rank_two[:, 2:] == 0)
+    torch.testing.assert_close(rank_two[:, :2].t() @ rank_two[:, :2], torch.eye(2), rtol=0, atol=1e-5)
     batched = torch.randn(3, 20, 4)
     expected = torch.stack([reference_gram_schmidt(m) for m in batched])
     torch.ops.gradcomp.orthogonalize_(batched, 0.0)

@@ -1,0 +1,460 @@
+"""The DDP communication hook: any gradcomp codec on every gradient bucket, with its state.
+
+    state = gradcomp.register(ddp_model, "topk:ratio=0.01")       # or, by hand:
+    ddp_model.register_comm_hook(gradcomp.CompressionState("qsgd"), gradcomp.hook)
+
+One bucket, one step:
+    warm-up (step < start_iter), a bucket too small to gain, a sparse or float64 bucket
+        -> plain allreduce of grad / world, exactly what DDP does without a hook;
+    allreduce codecs (none, fp16, bf16, randomk): encode, divide the payload's values by world,
+        allreduce them, decode in place;
+    allgather codecs (signsgd, terngrad, qsgd, topk): encode, all-gather the fixed-size payloads,
+        one fused decode-and-sum of all of them, times 1/world, in place;
+    powersgd: per tensor, P then Q allreduced (see powersgd.PowerSGDBucket).
+Everything is asynchronous: collectives return futures and the next stage runs in a callback.
+
+State lives per bucket (keyed by bucket.index()) and per parameter inside it, so when DDP lays its
+buckets out anew (its rebuild after the first step, or a fresh process resuming a checkpoint)
+residuals and Q follow their parameters; a bucket made of whole saved buckets is processed as
+those saved buckets, so a resumed run repeats the uninterrupted one bit for bit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import threading
+import time
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import _ops
+from .codecs import PayloadCodec, codec as make_codec
+from .powersgd import PowerSGD, PowerSGDBucket
+
+logger = logging.getLogger("gradcomp")
+STATS_KEYS = ("raw_bytes", "wire_bytes", "encode_s", "decode_s", "buckets", "compressed_buckets")
+STATE_FORMAT = 1
+
+
+class PayloadBucket:
+    """One DDP bucket under a wire-format codec: one flat payload per rank per step."""
+
+    def __init__(self, codec: PayloadCodec, index: int, keys, shapes, dtype: torch.dtype, device):
+        self.codec, self.index, self.keys, self.dtype = codec, index, tuple(keys), dtype
+        self.shapes = [torch.Size(s) for s in shapes]
+        self.numel = sum(s.numel() for s in self.shapes)
+        if codec.collective == "allreduce":
+            self.wire_bytes = codec.value_count(self.numel) * codec.wire_dtype(dtype).itemsize
+        else:
+            self.wire_bytes = codec.payload_nbytes(self.numel, dtype)
+        self.residual = torch.zeros(self.numel, dtype=dtype, device=device) if codec.error_feedback else None
+
+    @property
+    def device(self):
+        return None if self.residual is None else self.residual.device
+
+    def launch(self, step, flat: torch.Tensor, views) -> torch.futures.Future:
+        started = time.perf_counter()
+        codec = self.codec
+        payload = codec.encode(flat, self.residual, step=step.step, bucket=self.index, rank=step.rank)
+        if codec.collective == "allreduce":
+            values = codec.summable_view(payload, self.numel, self.dtype)
+            values.div_(step.world)  # averaged before the sum (no fp16 overflow), as plain DDP does
+            communicated, gathered, alpha = step.allreduce(values), payload, 1.0
+        else:
+            gathered = torch.empty((step.world, payload.numel()), dtype=torch.uint8, device=flat.device)
+            communicated, alpha = step.all_gather(gathered, payload), 1.0 / step.world
+        step.add("encode_s", time.perf_counter() - started)
+
+        def decode(done):
+            started = time.perf_counter()
+            done.value()
+            codec.decode_sum(gathered, flat, alpha)
+            step.add("decode_s", time.perf_counter() - started)
+            return flat
+
+        return communicated.then(decode)
+
+    def _offsets(self):
+        offset = 0
+        for key, shape in zip(self.keys, self.shapes):
+            yield key, offset, shape.numel()
+            offset += shape.numel()
+
+    def pieces(self) -> dict:
+        if self.residual is None:
+            return {}
+        return {key: {"residual": self.residual[o: o + n]} for key, o, n in self._offsets()}
+
+    def take(self, pool: dict) -> None:
+        for key, o, n in self._offsets():
+            piece = pool.pop(key, None) or {}
+            if self.residual is not None and "residual" in piece and piece["residual"].numel() == n:
+                self.residual[o: o + n].copy_(piece["residual"].reshape(-1))
+
+    def tensors(self) -> dict:
+        return {"residual": self.residual}
+
+    def load_tensors(self, tensors: dict) -> None:
+        self.residual = None if tensors.get("residual") is None else tensors["residual"].clone()
+
+    def to(self, device) -> None:
+        self.residual = None if self.residual is None else self.residual.to(device)
+
+
+class _Sequencer:
+    """Puts the collectives that callbacks start (PowerSGD's Q) in the same order on every rank.
+
+    Collectives must be issued in one order on all ranks, but callbacks run whenever a collective
+    happens to finish on this rank. So each such collective takes a ticket when its bucket is
+    launched (in bucket order, on the thread that calls the hook), and they are issued in ticket
+    order once the step's last bucket has been launched.
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._ready: dict[int, Any] = {}
+        self._tickets = self._next = 0
+        self._closed = False
+
+    def ticket(self) -> int:
+        self._tickets += 1
+        return self._tickets - 1
+
+    def submit(self, ticket: int, launch) -> None:
+        """launch() issues the collective; it must handle its own errors."""
+        with self._lock:
+            self._ready[ticket] = launch
+            self._drain()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._drain()
+
+    def _drain(self) -> None:
+        while self._closed and self._next in self._ready:
+            self._ready.pop(self._next)()
+            self._next += 1
+
+
+class _Step:
+    """What a bucket needs for one step: the group, this rank, the step, its stats and collectives."""
+
+    __slots__ = ("group", "world", "rank", "step", "record", "total", "sequencer")
+
+    def __init__(self, group, world, rank, step, record, total, sequencer):
+        self.group, self.world, self.rank, self.step, self.record, self.total = group, world, rank, step, record, total
+        self.sequencer = sequencer
+
+    def add(self, key: str, value: float) -> None:
+        self.record[key] += value
+        self.total[key] += value
+
+    def allreduce(self, tensor: torch.Tensor) -> torch.futures.Future:
+        return dist.all_reduce(tensor, group=self.group, async_op=True).get_future()
+
+    def all_gather(self, out: torch.Tensor, tensor: torch.Tensor) -> torch.futures.Future:
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        return gather(out.view(-1), tensor, group=self.group, async_op=True).get_future()
+
+    @staticmethod
+    def new_future(device: torch.device) -> torch.futures.Future:
+        return torch.futures.Future(devices=[device]) if device.type == "cuda" else torch.futures.Future()
+
+    @staticmethod
+    def chain(future: torch.futures.Future, callback, result: torch.futures.Future) -> None:
+        """Runs callback(future) when future completes; any error (the collective's too) ends in result."""
+
+        def guarded(done):
+            try:
+                callback(done)
+            except BaseException as error:  # noqa: BLE001 - handed to the waiting DDP reducer
+                if not result.done():
+                    result.set_exception(error)
+
+        future.add_done_callback(guarded)
+
+
+def _empty_stats() -> dict[str, float]:
+    return dict.fromkeys(STATS_KEYS, 0)
+
+
+class CompressionState:
+    """Everything the hook keeps between steps: the codec, the step, per-bucket residuals and Q.
+
+    Pickles (and state_dict()s) without its process group. Residuals belong to one rank: every
+    rank saves and loads its own.
+    """
+
+    __slots__ = ("process_group", "codec", "start_iter", "min_bucket_ratio", "log_every", "iter", "_plans",
+                 "_pool", "_param_keys", "_verified", "_total", "_last", "_current", "_warned", "_sequencer")
+
+    def __init__(self, spec: str = "topk", *, process_group: dist.ProcessGroup | None = None, start_iter: int = 2,
+                 min_bucket_ratio: float = 1.0, log_every: int = 0, model: torch.nn.Module | None = None,
+                 **codec_params: Any):
+        for name, value in (("start_iter", start_iter), ("log_every", log_every)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"gradcomp: {name}={value!r} must be an integer >= 0")
+        if isinstance(min_bucket_ratio, bool) or not isinstance(min_bucket_ratio, (int, float)) or not (
+                min_bucket_ratio >= 0):
+            raise ValueError(f"gradcomp: min_bucket_ratio={min_bucket_ratio!r} must be a number >= 0")
+        self.codec = make_codec(spec, **codec_params)
+        self.process_group = process_group
+        self.start_iter, self.min_bucket_ratio, self.log_every = start_iter, float(min_bucket_ratio), log_every
+        self.iter = 0
+        self._plans: dict[int, PayloadBucket | PowerSGDBucket] = {}
+        self._pool: dict[int, dict[str, torch.Tensor]] = {}  # per-parameter state waiting for its new bucket
+        # Parameters are keyed by their position in the model (stable across processes, so checkpoints
+        # map back); without a model, by the order the hook first sees them.
+        self._param_keys: dict[int, int] = {} if model is None else {id(p): i for i, p in enumerate(model.parameters())}
+        self._verified = False
+        self._total, self._last, self._current = _empty_stats(), _empty_stats(), _empty_stats()
+        self._warned: set[str] = set()
+        self._sequencer = _Sequencer()
+
+    # -- configuration ---------------------------------------------------------------------------------------------
+
+    @property
+    def spec(self) -> str:
+        return self.codec.spec()
+
+    def _group(self):
+        return self.process_group if self.process_group is not None else dist.group.WORLD
+
+    def config(self) -> dict[str, Any]:
+        """What every rank must agree on (compared at the first step) and what a checkpoint must match."""
+        return {"codec": self.spec, "start_iter": self.start_iter, "min_bucket_ratio": self.min_bucket_ratio,
+                "world_size": dist.get_world_size(self._group()), "wire_format": _ops._C.format_version}
+
+    def _verify(self) -> None:
+        """All ranks compare their configuration and step: a mismatch raises on every rank, no hang."""
+        mine = json.dumps({**self.config(), "step": self.iter}, sort_keys=True)
+        group = self._group()
+        everyone: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, mine, group=group)
+        if len(set(everyone)) > 1:
+            listing = "\n".join(f"  rank {r}: {c}" for r, c in enumerate(everyone))
+            raise RuntimeError(f"gradcomp: the ranks are configured differently; every rank must register the same "
+                               f"codec, parameters and step:\n{listing}")
+        self._verified = True
+
+    def fingerprint(self) -> str:
+        """A short hash of config(), for logs."""
+        return hashlib.sha256(json.dumps(self.config(), sort_keys=True).encode()).hexdigest()[:16]
+
+    # -- the hook --------------------------------------------------------------------------------------------------
+
+    def communicate(self, bucket: dist.GradBucket) -> torch.futures.Future:
+        if not self._verified:
+            self._verify()
+        group = self._group()
+        step = _Step(group, dist.get_world_size(group), dist.get_rank(group), self.iter, self._current, self._total,
+                     self._sequencer)
+        buffer = bucket.buffer()
+        raw_bytes = buffer.numel() * buffer.element_size()
+        step.add("raw_bytes", raw_bytes)
+        step.add("buckets", 1)
+        if self.iter < self.start_iter or not self._compressible(buffer):
+            step.add("wire_bytes", raw_bytes)
+            future = self._plain(step, buffer)
+        else:
+            future = self._compressed(step, bucket, buffer)
+        if bucket.is_last():
+            self._sequencer.close()
+            self._end_step()
+        return future
+
+    def _compressible(self, buffer: torch.Tensor) -> bool:
+        if buffer.layout != torch.strided:
+            return self._warn_once("sparse", "gradcomp: sparse gradients go through plain allreduce")
+        if buffer.dtype not in _ops.DTYPE_IDS:
+            return self._warn_once(str(buffer.dtype), f"gradcomp: {buffer.dtype} gradients go through plain "
+                                   f"allreduce (codecs take {', '.join(map(str, _ops.DTYPE_IDS))})")
+        return True
+
+    def _warn_once(self, key: str, message: str) -> bool:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, stacklevel=3)
+        return False
+
+    @staticmethod
+    def _plain(step: _Step, tensor: torch.Tensor) -> torch.futures.Future:
+        tensor.div_(step.world)
+        return step.allreduce(tensor).then(lambda done: done.value()[0])
+
+    def _compressed(self, step: _Step, bucket: dist.GradBucket, buffer: torch.Tensor) -> torch.futures.Future:
+        keys = tuple(self._param_keys.setdefault(id(p), len(self._param_keys)) for p in bucket.parameters())
+        views = bucket.gradients()
+        plan = self._plans.get(bucket.index())
+        if plan is None or plan.keys != keys:
+            saved = self._saved_buckets_covering(keys, views, buffer.dtype)
+            if saved:
+                return self._launch_saved(step, saved, dict(zip(keys, views)), buffer)
+            plan = self._new_plan(bucket.index(), keys, [v.shape for v in views], buffer)
+        if plan.device is not None and plan.device != buffer.device:
+            plan.to(buffer.device)
+        return self._launch(step, plan, buffer, views)
+
+    def _launch(self, step: _Step, plan, flat: torch.Tensor, views) -> torch.futures.Future:
+        if flat.numel() * flat.element_size() <= plan.wire_bytes * self.min_bucket_ratio:
+            step.add("wire_bytes", flat.numel() * flat.element_size())
+            return self._plain(step, flat)  # too small to gain from compression
+        step.add("wire_bytes", plan.wire_bytes)
+        step.add("compressed_buckets", 1)
+        return plan.launch(step, flat, views)
+
+    def _saved_buckets_covering(self, keys, views, dtype) -> list:
+        """The saved buckets that together are exactly this bucket (same parameters and shapes), else []."""
+        owner = {k: plan for plan in self._plans.values() for k in plan.keys}
+        shapes = dict(zip(keys, (v.shape for v in views)))
+        plans = {id(owner[k]): owner[k] for k in keys if k in owner}
+        if any(k not in owner for k in keys) or sum(len(p.keys) for p in plans.values()) != len(keys):
+            return []
+        if any(p.dtype != dtype or any(shapes[k] != s for k, s in zip(p.keys, p.shapes)) for p in plans.values()):
+            return []
+        return sorted(plans.values(), key=lambda p: p.index)
+
+    def _launch_saved(self, step: _Step, plans, views_by_key, buffer: torch.Tensor) -> torch.futures.Future:
+        """This bucket holds several saved buckets (a fresh DDP's first step): each goes as it was saved."""
+        futures, copies = [], []
+        for plan in plans:
+            views = [views_by_key[k] for k in plan.keys]
+            flat = torch.cat([v.reshape(-1) for v in views])
+            flat_views = [part.view(v.shape) for part, v in zip(flat.split([v.numel() for v in views]), views)]
+            if plan.device is not None and plan.device != buffer.device:
+                plan.to(buffer.device)
+            futures.append(self._launch(step, plan, flat, flat_views))
+            copies.append((views, flat_views))
+
+        def scatter(done):
+            for future in done.value():
+                future.value()  # raises what a bucket raised
+            for views, flat_views in copies:
+                for view, part in zip(views, flat_views):
+                    view.copy_(part)
+            return buffer
+
+        return torch.futures.collect_all(futures).then(scatter)
+
+    def _new_plan(self, index: int, keys, shapes, buffer: torch.Tensor):
+        """A bucket laid out anew: the old state of its parameters moves over, nothing is misapplied."""
+        wanted = set(keys)
+        for old in [i for i, p in self._plans.items() if i == index or wanted.intersection(p.keys)]:
+            self._pool.update(self._plans.pop(old).pieces())
+        plan_class = PowerSGDBucket if isinstance(self.codec, PowerSGD) else PayloadBucket
+        plan = plan_class(self.codec, index, keys, shapes, buffer.dtype, buffer.device)
+        plan.take(self._pool)
+        self._plans[index] = plan
+        return plan
+
+    def _end_step(self) -> None:
+        self.iter += 1
+        self._sequencer = _Sequencer()
+        self._last, self._current = self._current, _empty_stats()
+        if self.log_every and self.iter % self.log_every == 0:
+            logger.info("gradcomp %s step %d: %s", self.spec, self.iter, _describe(self.stats()["total"]))
+
+    # -- stats -----------------------------------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """{"step", "last": the last finished step, "total": since the start}, each with raw and wire bytes,
+        ratio, encode and decode seconds, buckets and compressed buckets."""
+
+        def with_ratio(stats):
+            return {**stats, "ratio": stats["raw_bytes"] / stats["wire_bytes"] if stats["wire_bytes"] else 1.0}
+
+        return {"step": self.iter, "last": with_ratio(self._last), "total": with_ratio(self._total)}
+
+    # -- checkpoints -----------------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """A snapshot of this rank's state: config, step, per-bucket residuals and Q, stats."""
+        rank = dist.get_rank(self._group()) if dist.is_initialized() else None
+        clone = lambda t: None if t is None else t.detach().clone()  # noqa: E731
+        return {
+            "format": STATE_FORMAT, "config": self.config(), "rank": rank, "iter": self.iter,
+            "buckets": [{"index": p.index, "keys": list(p.keys), "shapes": [list(s) for s in p.shapes],
+                         "dtype": str(p.dtype).removeprefix("torch."),
+                         "tensors": {k: clone(t) for k, t in p.tensors().items()}} for p in self._plans.values()],
+            "pool": {key: {k: clone(t) for k, t in piece.items()} for key, piece in self._pool.items()},
+            "total": dict(self._total),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores what state_dict() saved, after checking it was saved for this configuration and rank."""
+        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+            raise ValueError(f"gradcomp: not a gradcomp state (format {STATE_FORMAT}); got "
+                             f"{type(state).__name__} with format {state.get('format') if isinstance(state, dict) else None}")
+        mine = self.config()
+        differing = {k: (state["config"].get(k), v) for k, v in mine.items() if state["config"].get(k) != v}
+        if differing:
+            listing = ", ".join(f"{k}: saved {saved!r}, now {now!r}" for k, (saved, now) in differing.items())
+            raise ValueError(f"gradcomp: the state was saved for another configuration ({listing})")
+        rank = dist.get_rank(self._group()) if dist.is_initialized() else None
+        if state.get("rank") is not None and rank is not None and state["rank"] != rank:
+            raise ValueError(f"gradcomp: this state holds rank {state['rank']}'s residuals; this is rank {rank} "
+                             f"(every rank loads the state it saved)")
+        plan_class = PowerSGDBucket if isinstance(self.codec, PowerSGD) else PayloadBucket
+        plans = {}
+        for saved in state["buckets"]:
+            dtype = getattr(torch, saved["dtype"])
+            plan = plan_class(self.codec, saved["index"], saved["keys"], saved["shapes"], dtype, "cpu")
+            plan.load_tensors(saved["tensors"])
+            plans[saved["index"]] = plan
+        self._plans = plans
+        self._pool = {int(k): dict(v) for k, v in state["pool"].items()}
+        self.iter = int(state["iter"])
+        self._total = {**_empty_stats(), **state["total"]}
+        self._last, self._current = _empty_stats(), _empty_stats()
+        self._verified = False  # the ranks compare their steps again
+
+    def __getstate__(self):
+        return {name: getattr(self, name) for name in self.__slots__ if name not in ("process_group", "_sequencer")}
+
+    def __setstate__(self, state):
+        self.process_group, self._sequencer = None, _Sequencer()
+        for name, value in state.items():
+            setattr(self, name, value)
+
+
+def _describe(stats: dict[str, Any]) -> str:
+    return (f"{stats['wire_bytes'] / 1e6:.2f} MB on the wire for {stats['raw_bytes'] / 1e6:.2f} MB "
+            f"({stats['ratio']:.1f}x), encode {stats['encode_s']:.3f}s, decode {stats['decode_s']:.3f}s")
+
+
+def hook(state, bucket):  # DDP checks the annotations, which this module's string annotations would fail
+    """The communication hook: ddp_model.register_comm_hook(state, gradcomp.hook).
+
+    state: a CompressionState; bucket: a torch.distributed.GradBucket; returns a Future holding the
+    bucket's averaged gradient (written in place into bucket.buffer())."""
+    return state.communicate(bucket)
+
+
+def register(ddp_model: torch.nn.parallel.DistributedDataParallel, spec: str = "topk", *,
+             process_group: dist.ProcessGroup | None = None, start_iter: int = 2, min_bucket_ratio: float = 1.0,
+             log_every: int = 0, **codec_params: Any) -> CompressionState:
+    """Registers codec `spec` as ddp_model's communication hook; returns its state (for stats and checkpoints).
+
+    start_iter: steps of plain allreduce first (past DDP's bucket rebuild after step 0).
+    min_bucket_ratio: a bucket is compressed only when raw bytes > this x its bytes on the wire.
+    log_every: log the cumulative stats to the "gradcomp" logger every N steps (0: never).
+    """
+    if not isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel):
+        raise TypeError(f"gradcomp.register takes a torch.nn.parallel.DistributedDataParallel model, got "
+                        f"{type(ddp_model).__name__}; wrap it first: DistributedDataParallel(model)")
+    if isinstance(getattr(ddp_model, "_gradcomp_state", None), CompressionState):
+        raise RuntimeError(f"gradcomp: a hook ({ddp_model._gradcomp_state.spec}) is already registered on this "
+                           f"model; DDP takes one communication hook per model")
+    state = CompressionState(spec, process_group=process_group, start_iter=start_iter,
+                             min_bucket_ratio=min_bucket_ratio, log_every=log_every, model=ddp_model.module,
+                             **codec_params)
+    ddp_model.register_comm_hook(state, hook)
+    ddp_model._gradcomp_state = state
+    return state

@@ -1,0 +1,267 @@
+"""What each rank runs in the multi-process DDP tests (see ddp_harness.run_ranks and test_ddp.py).
+
+Every scenario builds the same small model on every rank (seeded), feeds each rank its own batch
+(a function of seed, step, micro-step and rank only, so runs can be repeated and resumed), and
+returns tensors for the test process to compare.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import gradcomp
+
+FEATURES, CLASSES, BATCH = 24, 5, 32
+BUCKET_CAP_MB = 0.004  # a few KB: several buckets, and DDP lays them out anew after step 0
+
+
+def make_model(kind: str = "mlp") -> nn.Module:
+    torch.manual_seed(1234)
+    if kind == "mlp":
+        return nn.Sequential(nn.Linear(FEATURES, 48), nn.Tanh(), nn.Linear(48, 40), nn.Tanh(), nn.Linear(40, CLASSES))
+    if kind == "vectors":  # only 1-D parameters: every bucket holds 1-D tensors only
+        return ScaleShift()
+    if kind == "sparse":
+        return SparseBag()
+    raise ValueError(kind)
+
+
+class ScaleShift(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(FEATURES))
+        self.shift = nn.Parameter(torch.zeros(FEATURES))
+        self.head = nn.Parameter(torch.randn(CLASSES) * 0.1)
+
+    def forward(self, x):
+        return (x * self.scale + self.shift)[:, :CLASSES] + self.head
+
+
+class SparseBag(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embedding = nn.Embedding(100, CLASSES, sparse=True)
+
+    def forward(self, x):
+        return self.embedding((x.abs() * 10).long().clamp(max=99)).sum(1)
+
+
+def batch(step: int, micro: int, rank: int, seed: int = 0):
+    generator = torch.Generator().manual_seed(((seed * 1000 + step) * 10 + micro) * 100 + rank)
+    x = torch.randn(BATCH, FEATURES, generator=generator)
+    teacher = torch.Generator().manual_seed(99)
+    y = (x @ torch.randn(FEATURES, CLASSES, generator=teacher)).argmax(1)
+    return x, y
+
+
+def wrap(model: nn.Module, **ddp_kwargs) -> DDP:
+    return DDP(model, bucket_cap_mb=ddp_kwargs.pop("bucket_cap_mb", BUCKET_CAP_MB), **ddp_kwargs)
+
+
+def train(ddp: DDP, optimizer, steps, rank, *, first_step=0, accumulate=1, record=None, seed=0, dtype=None):
+    """Runs steps; record(step) is called after each backward (gradients synchronized)."""
+    losses = []
+    for step in range(first_step, first_step + steps):
+        for micro in range(accumulate):
+            x, y = batch(step, micro, rank, seed)
+            if dtype is not None:
+                x = x.to(dtype)
+            sync = contextlib.nullcontext() if micro == accumulate - 1 else ddp.no_sync()
+            with sync:
+                loss = nn.functional.cross_entropy(ddp(x).float(), y)
+                loss.backward()
+        losses.append(loss.item())
+        if record is not None:
+            record(step)
+        optimizer.step()
+        optimizer.zero_grad()
+    return losses
+
+
+def gradients(model: nn.Module):
+    return [p.grad.detach().clone() for p in model.parameters()]
+
+
+# -- scenarios ---------------------------------------------------------------------------------------------------------
+
+
+def lossless(rank, world, configs, steps, ddp_kwargs, accumulate=1):
+    """configs: {name: None (plain DDP) or (spec, register kwargs)} -> {name: [per-step gradients]}.
+    With accumulate > 1, rank 0 also returns "single": one process on every rank's batches."""
+    results = {}
+    for name, config in configs.items():
+        model = make_model()
+        ddp = wrap(model, **dict(ddp_kwargs))
+        if config is not None:
+            spec, kwargs = config
+            gradcomp.register(ddp, spec, **kwargs)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        steps_grads = []
+        train(ddp, optimizer, steps, rank, accumulate=accumulate, record=lambda _: steps_grads.append(gradients(model)))
+        results[name] = steps_grads
+    if accumulate > 1 and rank == 0:
+        results["single"] = single_process(steps, world, accumulate)
+    return results
+
+
+def single_process(steps, world, accumulate):
+    """The reference for no_sync: one process, every rank's micro-batches together, no DDP."""
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    steps_grads = []
+    for step in range(steps):
+        for micro in range(accumulate):
+            parts = [batch(step, micro, r) for r in range(world)]
+            x, y = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+            nn.functional.cross_entropy(model(x), y).backward()
+        steps_grads.append(gradients(model))
+        optimizer.step()
+        optimizer.zero_grad()
+    return steps_grads
+
+
+def training(rank, world, specs, steps):
+    """Trains with each spec; records the loss and, for every compressed bucket of the first compressed
+    steps, what the error-feedback invariant needs: the bucket's gradient, residual before and after."""
+    results = {}
+    for spec in specs:
+        model = make_model()
+        ddp = wrap(model)
+        state = gradcomp.CompressionState(spec, model=model)
+        records = []
+
+        def checking_hook(state, bucket, records=records):
+            step, index = state.iter, bucket.index()
+            grad = bucket.buffer().detach().clone()
+            before = state._plans.get(index)
+            old = {k: t.clone() for k, t in _residual_pieces(before).items()}
+            future = gradcomp.hook(state, bucket)
+            if step < state.start_iter or step >= state.start_iter + 3:
+                return future
+            keys = [state._param_keys[id(p)] for p in bucket.parameters()]
+            shapes = [g.shape for g in bucket.gradients()]
+
+            def snapshot(done):
+                out = done.value()
+                out = out[0] if isinstance(out, list) else out
+                new = {k: t.clone() for k, t in _residual_pieces(state._plans.get(index)).items()}
+                records.append({"step": step, "bucket": index, "rank": rank, "keys": keys, "shapes": shapes,
+                                "grad": grad, "out": out.detach().clone(), "old": old, "new": new})
+                return out
+
+            return future.then(snapshot)
+
+        ddp.register_comm_hook(state, checking_hook)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+        losses = train(ddp, optimizer, steps, rank)
+        results[spec] = {"losses": losses, "records": records, "stats": state.stats(), "start_iter": state.start_iter}
+    return results
+
+
+def _residual_pieces(plan):
+    if plan is None:
+        return {}
+    return {key: piece["residual"] for key, piece in plan.pieces().items() if "residual" in piece}
+
+
+def resume(rank, world, specs, total, split, workdir, phase):
+    """phase "full": total steps uninterrupted, and the first `split` steps with a checkpoint;
+    phase "second": fresh processes load that checkpoint and run the rest. Returns the parameters."""
+    results = {}
+    for index, spec in enumerate(specs):
+        path = os.path.join(workdir, f"ckpt.{index}.rank{rank}.pt")
+        if phase == "full":
+            model, optimizer, _ = _resumable(spec)
+            train(model, optimizer, total, rank)
+            results[spec] = [p.detach().clone() for p in model.parameters()]
+            model, optimizer, state = _resumable(spec)
+            train(model, optimizer, split, rank)
+            torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
+                        "gradcomp": state.state_dict()}, path)
+        else:
+            model, optimizer, state = _resumable(spec)
+            checkpoint = torch.load(path, weights_only=False)
+            model.module.load_state_dict(checkpoint["model"])
+            optimizer.load_state_dict(checkpoint["optimizer"])
+            state.load_state_dict(checkpoint["gradcomp"])
+            train(model, optimizer, total - split, rank, first_step=split)
+            results[spec] = [p.detach().clone() for p in model.parameters()]
+    return results
+
+
+def _resumable(spec):
+    model = make_model()
+    ddp = wrap(model)
+    state = gradcomp.register(ddp, spec)
+    return ddp, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), state
+
+
+def mismatch(rank, world, cases):
+    """cases: [(spec, kwargs) per rank]; each case runs a few steps. Returns the error text per case."""
+    errors = []
+    for per_rank in cases:
+        spec, kwargs = per_rank[rank]
+        model = make_model()
+        ddp = wrap(model)
+        gradcomp.register(ddp, spec, **kwargs)
+        try:
+            train(ddp, torch.optim.SGD(model.parameters(), lr=0.1), 4, rank)
+            errors.append(None)
+        except Exception as error:  # noqa: BLE001 - the test reads the message
+            errors.append(f"{type(error).__name__}: {error}")
+    return errors
+
+
+def edge_cases(rank, world):
+    """Models and groups that are unusual but legal; returns what the test checks for each."""
+    import warnings
+
+    out = {}
+    # Buckets of 1-D tensors only, under a matrix codec and an elementwise one.
+    for spec in ("powersgd", "topk:ratio=0.5"):
+        model = make_model("vectors")
+        ddp = wrap(model)
+        state = gradcomp.register(ddp, spec, start_iter=0)
+        losses = train(ddp, torch.optim.SGD(model.parameters(), lr=0.5), 6, rank)
+        out[f"vectors {spec}"] = {"losses": losses, "params": [p.detach().clone() for p in model.parameters()],
+                                  "stats": state.stats()}
+    # Sparse gradients: averaged by plain allreduce, with a warning.
+    model = make_model("sparse")
+    ddp = wrap(model)
+    gradcomp.register(ddp, "topk", start_iter=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train(ddp, torch.optim.SGD(model.parameters(), lr=0.1), 3, rank)
+    out["sparse"] = {"warnings": [str(w.message) for w in caught],
+                     "params": [p.detach().clone() for p in model.parameters()]}
+    # A process group of one rank per process: compression applies, nothing travels.
+    groups = [dist.new_group([r]) for r in range(world)]
+    model = make_model()
+    ddp = DDP(model, process_group=groups[rank], bucket_cap_mb=BUCKET_CAP_MB)
+    state = gradcomp.register(ddp, "topk:ratio=0.1", process_group=groups[rank], start_iter=0)
+    out["world of one"] = {"losses": train(ddp, torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9), 20, rank),
+                           "stats": state.stats()}
+    # Registered twice.
+    model = make_model()
+    ddp = wrap(model)
+    gradcomp.register(ddp, "topk")
+    try:
+        gradcomp.register(ddp, "qsgd")
+        out["twice"] = None
+    except Exception as error:  # noqa: BLE001
+        out["twice"] = f"{type(error).__name__}: {error}"
+    # fp16 and bf16 models.
+    for dtype in (torch.float16, torch.bfloat16):
+        model = make_model().to(dtype)
+        ddp = wrap(model)
+        state = gradcomp.register(ddp, "qsgd", start_iter=0)
+        losses = train(ddp, torch.optim.SGD(model.parameters(), lr=0.2), 6, rank, dtype=dtype)
+        out[str(dtype)] = {"losses": losses, "params": [p.detach().float().clone() for p in model.parameters()],
+                           "compressed": state.stats()["total"]["compressed_buckets"]}
+    return out

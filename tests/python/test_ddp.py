@@ -1,0 +1,199 @@
+"""The DDP hook on 2 and 4 real processes (gloo): lossless settings equal plain DDP, every codec
+trains, error feedback keeps its invariant, no_sync, DDP's options, resume, mismatched ranks."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+import torch.nn as nn
+
+import ddp_scenarios as scenarios
+import gradcomp
+from ddp_harness import RankError, run_ranks, unwrap
+
+EVERY_STEP = {"start_iter": 0, "min_bucket_ratio": 0}  # compress from step 0 (through DDP's rebuild), every bucket
+LOSSLESS = {
+    "plain": None,
+    "none": ("none", EVERY_STEP),
+    "topk ratio 1": ("topk:ratio=1", EVERY_STEP),
+    "randomk ratio 1": ("randomk:ratio=1", EVERY_STEP),
+    # A fresh Q each step: a warm-started Q squares the singular values of M (a power step), and the
+    # smallest directions of a nearly rank-deficient M then fall below fp32 (they stay in the residual).
+    "powersgd full rank": ("powersgd:rank=64,min_compression_rate=0,warm_start=false", EVERY_STEP),
+    "powersgd full rank batched": ("powersgd:rank=64,min_compression_rate=0,warm_start=false,"
+                                   "batch_same_shape=true", {}),
+    "fp16": ("fp16", EVERY_STEP),
+}
+TOLERANCE = {"fp16": {"rtol": 2e-3, "atol": 2e-4}, "powersgd full rank": {"rtol": 1e-4, "atol": 1e-6},
+             "powersgd full rank batched": {"rtol": 1e-4, "atol": 1e-6}}
+COMPRESSED = ["fp16", "bf16", "signsgd", "signsgd:vote=true", "terngrad", "qsgd", "qsgd:levels=3,block=64",
+              "topk:ratio=0.05", "randomk:ratio=0.1", "powersgd:rank=2", "powersgd:rank=2,warm_start=false"]
+
+
+def assert_lossless(results, reference="plain"):
+    for rank_result in results:
+        for name in LOSSLESS:
+            for step, (got, want) in enumerate(zip(rank_result[name], rank_result[reference])):
+                for param, (g, w) in enumerate(zip(got, want)):
+                    torch.testing.assert_close(g, w, **TOLERANCE.get(name, {}),
+                                               msg=lambda m: f"{name}, step {step}, parameter {param}: {m}")
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["2 ranks", "4 ranks"])
+def lossless_runs(request):
+    return unwrap(run_ranks(scenarios.lossless, request.param, (LOSSLESS, 4, {})))
+
+
+def test_lossless_settings_equal_plain_ddp(lossless_runs):
+    assert_lossless(lossless_runs)
+
+
+@pytest.mark.parametrize("ddp_kwargs", [{"gradient_as_bucket_view": True}, {"static_graph": True}],
+                         ids=["gradient_as_bucket_view", "static_graph"])
+def test_ddp_options(ddp_kwargs):
+    assert_lossless(unwrap(run_ranks(scenarios.lossless, 2, (LOSSLESS, 4, ddp_kwargs))))
+
+
+def test_no_sync_accumulation_equals_one_process_on_the_whole_batch():
+    results = unwrap(run_ranks(scenarios.lossless, 2, (LOSSLESS, 3, {}, 3)))
+    assert_lossless(results)
+    for name in LOSSLESS:
+        for got, want in zip(results[0][name], results[0]["single"]):
+            for g, w in zip(got, want):
+                torch.testing.assert_close(g, w, **TOLERANCE.get(name, {"rtol": 1e-5, "atol": 1e-6}))
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["2 ranks", "4 ranks"])
+def training_runs(request):
+    return unwrap(run_ranks(scenarios.training, request.param, (COMPRESSED, 30)))
+
+
+@pytest.mark.parametrize("spec", COMPRESSED)
+def test_every_codec_lowers_the_loss(training_runs, spec):
+    for rank_result in training_runs:
+        losses = rank_result[spec]["losses"]
+        assert sum(losses[-5:]) < 0.7 * sum(losses[:5]), losses
+        stats = rank_result[spec]["stats"]
+        assert stats["step"] == 30
+        assert stats["total"]["compressed_buckets"] > 0
+        if not spec.startswith("fp16") and not spec.startswith("bf16"):
+            assert stats["total"]["wire_bytes"] < stats["total"]["raw_bytes"] / 2, stats
+
+
+def _flat_by_keys(pieces, keys, shapes):
+    return torch.cat([pieces[k].reshape(-1) if k in pieces else torch.zeros(s.numel()) for k, s in zip(keys, shapes)])
+
+
+@pytest.mark.parametrize("spec", [s for s in COMPRESSED if gradcomp.codec(s).error_feedback])
+def test_error_feedback_invariant_on_every_rank(training_runs, spec):
+    """Per rank and bucket: grad + old residual == what this rank's payload decodes to + new residual."""
+    codec = gradcomp.codec(spec)
+    checked = 0
+    for rank_result in training_runs:
+        for record in rank_result[spec]["records"]:
+            keys, shapes = record["keys"], record["shapes"]
+            if isinstance(codec, gradcomp.PowerSGD):  # its decoded value is the averaged output itself
+                offsets = torch.tensor([0] + [s.numel() for s in shapes]).cumsum(0)
+                for i, key in enumerate(keys):
+                    if key not in record["new"]:
+                        continue
+                    part = lambda flat: flat[offsets[i]:offsets[i + 1]].reshape(record["new"][key].shape)  # noqa
+                    old = record["old"].get(key, torch.zeros_like(record["new"][key]))
+                    torch.testing.assert_close(part(record["grad"]) + old, part(record["out"]) + record["new"][key])
+                    checked += 1
+                continue
+            m = record["grad"] + _flat_by_keys(record["old"], keys, shapes)
+            payload = codec.encode(m, None, step=record["step"], bucket=record["bucket"], rank=record["rank"])
+            local = codec.decode_sum(payload, torch.empty_like(m))
+            torch.testing.assert_close(_flat_by_keys(record["new"], keys, shapes), m - local, rtol=1e-6, atol=1e-7)
+            checked += 1
+    assert checked > 0
+
+
+def test_ranks_agree_on_the_averaged_gradient(training_runs):
+    for spec in COMPRESSED:
+        outs = [{(r["step"], r["bucket"]): r["out"] for r in rank_result[spec]["records"]}
+                for rank_result in training_runs]
+        assert outs[0], spec
+        for other in outs[1:]:
+            assert other.keys() == outs[0].keys()
+            for key, out in other.items():
+                assert torch.equal(outs[0][key], out), (spec, key)
+
+
+RESUMED = ["none", "fp16", "bf16", "signsgd", "terngrad", "qsgd", "topk", "randomk", "powersgd",
+           "powersgd:batch_same_shape=true"]
+
+
+def test_resume_in_fresh_processes_is_bit_identical(tmp_path):
+    full = unwrap(run_ranks(scenarios.resume, 2, (RESUMED, 7, 4, str(tmp_path), "full")))
+    resumed = unwrap(run_ranks(scenarios.resume, 2, (RESUMED, 7, 4, str(tmp_path), "second")))
+    for rank in range(2):
+        for spec in RESUMED:
+            for a, b in zip(full[rank][spec], resumed[rank][spec]):
+                assert torch.equal(a, b), (spec, rank, (a - b).abs().max())
+
+
+def test_ranks_configured_differently_fail_on_every_rank():
+    cases = [
+        [("topk", {}), ("qsgd", {})],
+        [("topk:ratio=0.01", {}), ("topk:ratio=0.02", {})],
+        [("powersgd", {"start_iter": 2}), ("powersgd", {"start_iter": 3})],
+        [("signsgd", {}), ("signsgd", {})],  # and afterwards the group still works
+    ]
+    results = unwrap(run_ranks(scenarios.mismatch, 2, (cases,), timeout=180, pg_timeout_s=30))
+    for rank, errors in enumerate(results):
+        for case, error in zip(cases[:3], errors):
+            assert error is not None and "configured differently" in error, (rank, case, error)
+            assert "rank 0" in error and "rank 1" in error
+        assert errors[3] is None
+
+
+def test_edge_cases():
+    results = unwrap(run_ranks(scenarios.edge_cases, 2))
+    for rank_result in results:
+        for spec in ("powersgd", "topk:ratio=0.5"):
+            case = rank_result[f"vectors {spec}"]
+            assert case["losses"][-1] < case["losses"][0]
+        # Only 1-D tensors: powersgd has nothing to compress, so the buckets go whole.
+        assert results[0]["vectors powersgd"]["stats"]["total"]["compressed_buckets"] == 0
+        assert any("sparse gradients go through plain allreduce" in w for w in rank_result["sparse"]["warnings"])
+        alone = rank_result["world of one"]
+        assert alone["losses"][-1] < 0.7 * alone["losses"][0]
+        assert alone["stats"]["total"]["compressed_buckets"] > 0
+        assert "already registered" in rank_result["twice"]
+        for dtype in ("torch.float16", "torch.bfloat16"):
+            assert rank_result[dtype]["compressed"] > 0
+            assert rank_result[dtype]["losses"][-1] < rank_result[dtype]["losses"][0]
+    for key in ("vectors powersgd", "vectors topk:ratio=0.5", "sparse", "torch.float16", "torch.bfloat16"):
+        for a, b in zip(results[0][key]["params"], results[1][key]["params"]):
+            assert torch.equal(a, b), key
+
+
+# -- single process: the API's own checks ------------------------------------------------------------------------------
+
+
+def test_register_refuses_a_model_that_is_not_ddp():
+    with pytest.raises(TypeError, match="DistributedDataParallel"):
+        gradcomp.register(nn.Linear(2, 2), "topk")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"spec": "zip"}, "unknown codec 'zip'"),
+    ({"spec": "topk:ratio=2"}, r"ratio=2.0 is outside"),
+    ({"spec": "topk", "start_iter": -1}, "start_iter=-1"),
+    ({"spec": "topk", "min_bucket_ratio": float("nan")}, "min_bucket_ratio"),
+    ({"spec": "topk", "frobnicate": 1}, "unknown parameter"),
+])
+def test_state_refuses_bad_configuration(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        gradcomp.CompressionState(**kwargs)
+
+
+def test_state_pickles_without_its_process_group():
+    state = gradcomp.CompressionState("qsgd:levels=7", process_group=object(), start_iter=3)
+    copy = pickle.loads(pickle.dumps(state))
+    assert copy.process_group is None
+    assert copy.spec == state.spec and copy.start_iter == 3 and copy.iter == 0
