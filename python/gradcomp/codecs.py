@@ -133,7 +133,8 @@ class Codec:
             self.params["error_feedback"] = error_feedback
 
     def spec(self) -> str:
-        return self.name + ":" + ",".join(f"{k}={v}" for k, v in sorted(self.params.items()))
+        params = ",".join(f"{k}={v}" for k, v in sorted(self.params.items()))
+        return f"{self.name}:{params}" if params else self.name
 
     def __repr__(self) -> str:
         return f"gradcomp.codec({self.spec()!r})"

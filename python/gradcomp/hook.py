@@ -21,7 +21,6 @@ those saved buckets, so a resumed run repeats the uninterrupted one bit for bit.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import threading
@@ -39,6 +38,7 @@ from .powersgd import PowerSGD, PowerSGDBucket
 logger = logging.getLogger("gradcomp")
 STATS_KEYS = ("raw_bytes", "wire_bytes", "encode_s", "decode_s", "buckets", "compressed_buckets")
 STATE_FORMAT = 1
+_STATS_LOCK = threading.Lock()  # stats are a few additions per bucket: one lock for every state will do
 
 
 class PayloadBucket:
@@ -146,15 +146,16 @@ class _Sequencer:
 class _Step:
     """What a bucket needs for one step: the group, this rank, the step, its stats and collectives."""
 
-    __slots__ = ("group", "world", "rank", "step", "record", "total", "sequencer")
+    __slots__ = ("group", "world", "rank", "step", "record", "total", "sequencer", "stats_lock")
 
-    def __init__(self, group, world, rank, step, record, total, sequencer):
+    def __init__(self, group, world, rank, step, record, total, sequencer, stats_lock):
         self.group, self.world, self.rank, self.step, self.record, self.total = group, world, rank, step, record, total
-        self.sequencer = sequencer
+        self.sequencer, self.stats_lock = sequencer, stats_lock
 
     def add(self, key: str, value: float) -> None:
-        self.record[key] += value
-        self.total[key] += value
+        with self.stats_lock:  # callbacks add from the collectives' threads
+            self.record[key] += value
+            self.total[key] += value
 
     def allreduce(self, tensor: torch.Tensor) -> torch.futures.Future:
         return dist.all_reduce(tensor, group=self.group, async_op=True).get_future()
@@ -229,8 +230,9 @@ class CompressionState:
 
     def config(self) -> dict[str, Any]:
         """What every rank must agree on (compared at the first step) and what a checkpoint must match."""
+        world = dist.get_world_size(self._group()) if dist.is_initialized() else None
         return {"codec": self.spec, "start_iter": self.start_iter, "min_bucket_ratio": self.min_bucket_ratio,
-                "world_size": dist.get_world_size(self._group()), "wire_format": _ops._C.format_version}
+                "world_size": world, "wire_format": _ops._C.format_version}
 
     def _verify(self) -> None:
         """All ranks compare their configuration and step: a mismatch raises on every rank, no hang."""
@@ -244,10 +246,6 @@ class CompressionState:
                                f"codec, parameters and step:\n{listing}")
         self._verified = True
 
-    def fingerprint(self) -> str:
-        """A short hash of config(), for logs."""
-        return hashlib.sha256(json.dumps(self.config(), sort_keys=True).encode()).hexdigest()[:16]
-
     # -- the hook --------------------------------------------------------------------------------------------------
 
     def communicate(self, bucket: dist.GradBucket) -> torch.futures.Future:
@@ -255,7 +253,7 @@ class CompressionState:
             self._verify()
         group = self._group()
         step = _Step(group, dist.get_world_size(group), dist.get_rank(group), self.iter, self._current, self._total,
-                     self._sequencer)
+                     self._sequencer, _STATS_LOCK)
         buffer = bucket.buffer()
         raw_bytes = buffer.numel() * buffer.element_size()
         step.add("raw_bytes", raw_bytes)
@@ -393,7 +391,8 @@ class CompressionState:
             raise ValueError(f"gradcomp: not a gradcomp state (format {STATE_FORMAT}); got "
                              f"{type(state).__name__} with format {state.get('format') if isinstance(state, dict) else None}")
         mine = self.config()
-        differing = {k: (state["config"].get(k), v) for k, v in mine.items() if state["config"].get(k) != v}
+        differing = {k: (state["config"].get(k), v) for k, v in mine.items()
+                     if state["config"].get(k) != v and not (k == "world_size" and None in (v, state["config"].get(k)))}
         if differing:
             listing = ", ".join(f"{k}: saved {saved!r}, now {now!r}" for k, (saved, now) in differing.items())
             raise ValueError(f"gradcomp: the state was saved for another configuration ({listing})")

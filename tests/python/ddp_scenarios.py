@@ -265,3 +265,47 @@ def edge_cases(rank, world):
         out[str(dtype)] = {"losses": losses, "params": [p.detach().float().clone() for p in model.parameters()],
                            "compressed": state.stats()["total"]["compressed_buckets"]}
     return out
+
+
+def state_checks(rank, world):
+    """Checkpoint refusals, per-step stats and logging, on live process groups."""
+    import logging
+
+    out = {}
+    model = make_model()
+    ddp = wrap(model)
+    messages = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logging.getLogger("gradcomp").addHandler(handler)
+    logging.getLogger("gradcomp").setLevel(logging.INFO)
+    state = gradcomp.register(ddp, "topk:ratio=0.1", log_every=2)
+    train(ddp, torch.optim.SGD(model.parameters(), lr=0.1), 5, rank)
+    out["log"] = messages
+    out["stats"] = state.stats()
+    out["param_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
+    saved = state.state_dict()
+    refusals = {}
+    for name, other in {
+        "codec": gradcomp.CompressionState("topk:ratio=0.2"),
+        "start_iter": gradcomp.CompressionState("topk:ratio=0.1", start_iter=5),
+    }.items():
+        try:
+            other.load_state_dict(saved)
+        except ValueError as error:
+            refusals[name] = str(error)
+    other_rank = dict(saved, rank=(rank + 1) % world)
+    try:
+        gradcomp.CompressionState("topk:ratio=0.1").load_state_dict(other_rank)
+    except ValueError as error:
+        refusals["rank"] = str(error)
+    try:
+        gradcomp.CompressionState("topk:ratio=0.1").load_state_dict({"model": 1})
+    except ValueError as error:
+        refusals["foreign"] = str(error)
+    out["refusals"] = refusals
+    fresh = gradcomp.CompressionState("topk:ratio=0.1")
+    fresh.load_state_dict(saved)
+    out["reloaded"] = fresh.state_dict()
+    out["saved"] = saved
+    return out

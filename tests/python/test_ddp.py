@@ -197,3 +197,35 @@ def test_state_pickles_without_its_process_group():
     copy = pickle.loads(pickle.dumps(state))
     assert copy.process_group is None
     assert copy.spec == state.spec and copy.start_iter == 3 and copy.iter == 0
+
+
+def test_state_checks_stats_and_logging():
+    for rank_result in unwrap(run_ranks(scenarios.state_checks, 2)):
+        stats = rank_result["stats"]
+        assert stats["step"] == 5
+        last, total = stats["last"], stats["total"]
+        assert last["raw_bytes"] == rank_result["param_bytes"]  # one step: every gradient once
+        assert total["raw_bytes"] == 5 * rank_result["param_bytes"]
+        assert 0 < last["wire_bytes"] < last["raw_bytes"] and last["ratio"] == last["raw_bytes"] / last["wire_bytes"]
+        assert total["compressed_buckets"] == 3 * last["compressed_buckets"] > 0  # steps 2, 3, 4 compressed
+        assert total["encode_s"] > 0 and total["decode_s"] > 0
+        assert len(rank_result["log"]) == 2 and "step 4" in rank_result["log"][-1]
+        refusals = rank_result["refusals"]
+        assert "codec: saved 'topk:error_feedback=True,ratio=0.1', now 'topk:error_feedback=True,ratio=0.2'" in \
+            refusals["codec"]
+        assert "start_iter: saved 2, now 5" in refusals["start_iter"]
+        assert "holds rank" in refusals["rank"]
+        assert "not a gradcomp state" in refusals["foreign"]
+        saved, reloaded = rank_result["saved"], rank_result["reloaded"]
+        assert reloaded["iter"] == saved["iter"] == 5
+        for a, b in zip(saved["buckets"], reloaded["buckets"]):
+            assert a["keys"] == b["keys"] and torch.equal(a["tensors"]["residual"], b["tensors"]["residual"])
+
+
+def test_state_loads_before_the_process_group_exists():
+    """A checkpoint can be read before init_process_group; the ranks compare steps at the first hook call."""
+    state = gradcomp.CompressionState("signsgd")
+    saved = {"format": 1, "config": {**state.config(), "world_size": 2}, "rank": 1, "iter": 7, "buckets": [],
+             "pool": {}, "total": {"raw_bytes": 10}}
+    state.load_state_dict(saved)
+    assert state.iter == 7 and state.stats()["total"]["raw_bytes"] == 10
