@@ -258,12 +258,13 @@ def edge_cases(rank, world):
         out["twice"] = f"{type(error).__name__}: {error}"
     # fp16 and bf16 models.
     for dtype in (torch.float16, torch.bfloat16):
-        model = make_model().to(dtype)
-        ddp = wrap(model)
-        state = gradcomp.register(ddp, "qsgd", start_iter=0)
-        losses = train(ddp, torch.optim.SGD(model.parameters(), lr=0.2), 6, rank, dtype=dtype)
-        out[str(dtype)] = {"losses": losses, "params": [p.detach().float().clone() for p in model.parameters()],
-                           "compressed": state.stats()["total"]["compressed_buckets"]}
+        for spec in ("qsgd", "powersgd", "topk:ratio=0.1"):
+            model = make_model().to(dtype)
+            ddp = wrap(model)
+            state = gradcomp.register(ddp, spec, start_iter=0)
+            losses = train(ddp, torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9), 8, rank, dtype=dtype)
+            out[f"{dtype} {spec}"] = {"losses": losses, "compressed": state.stats()["total"]["compressed_buckets"],
+                                      "params": [p.detach().float().clone() for p in model.parameters()]}
     return out
 
 
