@@ -388,8 +388,9 @@ class CompressionState:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restores what state_dict() saved, after checking it was saved for this configuration and rank."""
         if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+            found = state.get("format") if isinstance(state, dict) else None
             raise ValueError(f"gradcomp: not a gradcomp state (format {STATE_FORMAT}); got "
-                             f"{type(state).__name__} with format {state.get('format') if isinstance(state, dict) else None}")
+                             f"{type(state).__name__} with format {found}")
         mine = self.config()
         differing = {k: (state["config"].get(k), v) for k, v in mine.items()
                      if state["config"].get(k) != v and not (k == "world_size" and None in (v, state["config"].get(k)))}

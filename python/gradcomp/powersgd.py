@@ -21,8 +21,8 @@ import torch
 from .codecs import Codec, _check_range, _check_seed, _register
 
 
-@_register("powersgd", {"rank": 2, "min_compression_rate": 2.0, "warm_start": True, "batch_same_shape": False, "seed": 0,
-                       "error_feedback": True},
+@_register("powersgd", {"rank": 2, "min_compression_rate": 2.0, "warm_start": True, "batch_same_shape": False,
+                       "seed": 0, "error_feedback": True},
            "P (m x r) and Q (n x r) fp32 per matrix, small and 1-D tensors whole; allreduce x2")
 class PowerSGD(Codec):
     collective = "allreduce"
