@@ -65,16 +65,16 @@ class PayloadBucket:
         if codec.collective == "allreduce":
             values = codec.summable_view(payload, self.numel, self.dtype)
             values.div_(step.world)  # averaged before the sum (no fp16 overflow), as plain DDP does
-            communicated, gathered, alpha = step.allreduce(values), payload, 1.0
+            communicated, received, alpha = step.allreduce(values), payload, 1.0
         else:
-            gathered = torch.empty((step.world, payload.numel()), dtype=torch.uint8, device=flat.device)
-            communicated, alpha = step.all_gather(gathered, payload), 1.0 / step.world
+            received = torch.empty((step.world, payload.numel()), dtype=torch.uint8, device=flat.device)
+            communicated, alpha = step.all_gather(received, payload), 1.0 / step.world
         step.add("encode_s", time.perf_counter() - started)
 
         def decode(done):
             started = time.perf_counter()
             done.value()
-            codec.decode_sum(gathered, flat, alpha)
+            codec.decode_sum(received, flat, alpha)
             step.add("decode_s", time.perf_counter() - started)
             return flat
 
@@ -296,14 +296,15 @@ class CompressionState:
             if saved:
                 return self._launch_saved(step, saved, dict(zip(keys, views)), buffer)
             plan = self._new_plan(bucket.index(), keys, [v.shape for v in views], buffer)
-        if plan.device is not None and plan.device != buffer.device:
-            plan.to(buffer.device)
         return self._launch(step, plan, buffer, views)
 
     def _launch(self, step: _Step, plan, flat: torch.Tensor, views) -> torch.futures.Future:
-        if flat.numel() * flat.element_size() <= plan.wire_bytes * self.min_bucket_ratio:
-            step.add("wire_bytes", flat.numel() * flat.element_size())
+        raw_bytes = flat.numel() * flat.element_size()
+        if raw_bytes <= plan.wire_bytes * self.min_bucket_ratio:
+            step.add("wire_bytes", raw_bytes)
             return self._plain(step, flat)  # too small to gain from compression
+        if plan.device is not None and plan.device != flat.device:  # a loaded checkpoint, kept on the CPU
+            plan.to(flat.device)
         step.add("wire_bytes", plan.wire_bytes)
         step.add("compressed_buckets", 1)
         return plan.launch(step, flat, views)
@@ -326,8 +327,6 @@ class CompressionState:
             views = [views_by_key[k] for k in plan.keys]
             flat = torch.cat([v.reshape(-1) for v in views])
             flat_views = [part.view(v.shape) for part, v in zip(flat.split([v.numel() for v in views]), views)]
-            if plan.device is not None and plan.device != buffer.device:
-                plan.to(buffer.device)
             futures.append(self._launch(step, plan, flat, flat_views))
             copies.append((views, flat_views))
 
@@ -346,11 +345,14 @@ class CompressionState:
         wanted = set(keys)
         for old in [i for i, p in self._plans.items() if i == index or wanted.intersection(p.keys)]:
             self._pool.update(self._plans.pop(old).pieces())
-        plan_class = PowerSGDBucket if isinstance(self.codec, PowerSGD) else PayloadBucket
-        plan = plan_class(self.codec, index, keys, shapes, buffer.dtype, buffer.device)
+        plan = self._make_plan(index, keys, shapes, buffer.dtype, buffer.device)
         plan.take(self._pool)
         self._plans[index] = plan
         return plan
+
+    def _make_plan(self, index: int, keys, shapes, dtype: torch.dtype, device):
+        plan_class = PowerSGDBucket if isinstance(self.codec, PowerSGD) else PayloadBucket
+        return plan_class(self.codec, index, keys, shapes, dtype, device)
 
     def _end_step(self) -> None:
         self.iter += 1
@@ -401,11 +403,10 @@ class CompressionState:
         if state.get("rank") is not None and rank is not None and state["rank"] != rank:
             raise ValueError(f"gradcomp: this state holds rank {state['rank']}'s residuals; this is rank {rank} "
                              f"(every rank loads the state it saved)")
-        plan_class = PowerSGDBucket if isinstance(self.codec, PowerSGD) else PayloadBucket
         plans = {}
         for saved in state["buckets"]:
             dtype = getattr(torch, saved["dtype"])
-            plan = plan_class(self.codec, saved["index"], saved["keys"], saved["shapes"], dtype, "cpu")
+            plan = self._make_plan(saved["index"], saved["keys"], saved["shapes"], dtype, "cpu")
             plan.load_tensors(saved["tensors"])
             plans[saved["index"]] = plan
         self._plans = plans

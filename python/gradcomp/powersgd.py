@@ -92,13 +92,14 @@ class PowerSGD(Codec):
 
     @staticmethod
     def orthogonalize(p: torch.Tensor) -> torch.Tensor:
-        """Orthonormalizes P's columns in place (after P's allreduce); returns p."""
+        """Orthonormalizes P's columns in place (after P's allreduce; [rows, r] or [batch, rows, r]); returns p."""
         torch.ops.gradcomp.orthogonalize_(p, 0.0)
         return p
 
     def compute_q(self, m: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-        """Q = M^T P (P orthogonalized), written into q: it stays there for the next step's warm start."""
-        return torch.matmul(m.t(), p, out=q)
+        """Q = M^T P (P orthogonalized), written into q: it stays there for the next step's warm start.
+        Matrices or batches of them."""
+        return torch.matmul(m.transpose(-2, -1), p, out=q)
 
     def decompress(self, p: torch.Tensor, q: torch.Tensor, m: torch.Tensor, out: torch.Tensor,
                    residual: torch.Tensor | None, alpha: float = 1.0) -> torch.Tensor:
@@ -149,11 +150,15 @@ class PowerSGDBucket:
                 groups.setdefault((rows, cols, codec.effective_rank(shape), own_group), []).append(position)
         self.groups = [(rows, cols, r, members) for (rows, cols, r, _), members in groups.items()]
         compressed = {p for g in self.groups for p in g[3]}
-        self.whole = [p for p in range(len(self.shapes)) if p not in compressed]
+        # The whole tensors ride at the end of the P buffer: (position, start, size) of each.
+        self.whole, start = [], 0
+        for position in (p for p in range(len(self.shapes)) if p not in compressed):
+            self.whole.append((position, start, self.shapes[position].numel()))
+            start += self.shapes[position].numel()
+        self.whole_numel = start
         self.m_offsets, m_numel = _grouped_offsets(self.groups, lambda g: g[0] * g[1])
         self.p_offsets, self.p_numel = _grouped_offsets(self.groups, lambda g: g[0] * g[2])
         self.q_offsets, q_numel = _grouped_offsets(self.groups, lambda g: g[1] * g[2])
-        self.whole_numel = sum(self.shapes[p].numel() for p in self.whole)
         self.m_numel = m_numel
         self.wire_bytes = 4 * (self.p_numel + self.whole_numel + q_numel)
         self.residual = torch.zeros(m_numel, device=device) if codec.error_feedback else None
@@ -199,11 +204,8 @@ class PowerSGDBucket:
         for g in range(len(self.groups)):
             torch.matmul(self._m(m, g), self._q(g), out=self._p(p, g))
         whole = p[self.p_numel:]
-        offset = 0
-        for position in self.whole:
-            n = self.shapes[position].numel()
-            whole[offset: offset + n].copy_(views[position].reshape(-1))
-            offset += n
+        for position, start, n in self.whole:
+            whole[start: start + n].copy_(views[position].reshape(-1))
         whole.div_(world)  # averaged before the sum, as plain DDP does
         step.add("encode_s", time.perf_counter() - started)
         result = step.new_future(flat.device)
@@ -226,15 +228,10 @@ class PowerSGDBucket:
         def compute_q(summed_p):
             started = time.perf_counter()
             summed_p.value()
-            offset = 0
-            for position in self.whole:
-                n = self.shapes[position].numel()
-                views[position].copy_(whole[offset: offset + n].view(views[position].shape))
-                offset += n
+            for position, start, n in self.whole:
+                views[position].copy_(whole[start: start + n].view(views[position].shape))
             for g in range(len(self.groups)):
-                p_block = self._p(p, g)
-                torch.ops.gradcomp.orthogonalize_(p_block, 0.0)
-                torch.matmul(self._m(m, g).transpose(1, 2), p_block, out=self._q(g))
+                codec.compute_q(self._m(m, g), codec.orthogonalize(self._p(p, g)), self._q(g))
             step.add("encode_s", time.perf_counter() - started)
 
         def after_q(summed_q):
