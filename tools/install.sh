@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs everything gradcomp needs on a fresh Debian machine, then gradcomp itself.
-#   bash tools/install.sh            # CPU torch 2.13, build tools, test tools, gradcomp
+#   bash tools/install.sh            # CPU torch 2.13, build and test tools (gtest, clang, qemu), gradcomp
 # Environment: TORCH_SPEC (default torch==2.13.0), GRADCOMP_CUDA (auto|ON|OFF), PYTHON (default python3).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,6 +12,9 @@ compgen -G "/usr/lib/*/cmake/GTest/GTestConfig.cmake" >/dev/null || compgen -G "
 command -v cmake >/dev/null || need_apt+=(cmake)
 command -v ninja >/dev/null || need_apt+=(ninja-build)
 command -v g++ >/dev/null || need_apt+=(g++)
+# clang with libFuzzer and its sanitizer runtimes: the decoder fuzzers (tools/fuzz.sh).
+command -v clang++ >/dev/null || need_apt+=(clang)
+compgen -G "/usr/lib/llvm-*/lib/clang/*/lib/linux/libclang_rt.fuzzer-$(uname -m).a" >/dev/null || need_apt+=(libclang-rt-dev)
 # qemu-user lets the tests run the kernels on emulated older x86 CPUs (see tools/test.sh).
 [ "$(uname -m)" != x86_64 ] || command -v qemu-x86_64 >/dev/null || need_apt+=(qemu-user)
 if [ ${#need_apt[@]} -gt 0 ]; then

@@ -18,8 +18,18 @@ namespace {
 bool cpu_has(const char* feature_set) {
 #if defined(__x86_64__) && defined(GRADCOMP_X86_VARIANTS)
   __builtin_cpu_init();
-  if (std::strcmp(feature_set, "avx2") == 0) return __builtin_cpu_supports("x86-64-v3");
-  if (std::strcmp(feature_set, "avx512") == 0) return __builtin_cpu_supports("x86-64-v4");
+#if defined(__clang__) && __clang_major__ < 16  // no "x86-64-vN" names yet: the features that matter
+  const bool v3 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                  __builtin_cpu_supports("bmi") && __builtin_cpu_supports("bmi2");
+  const bool v4 = v3 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                  __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
+                  __builtin_cpu_supports("avx512cd");
+#else
+  const bool v3 = __builtin_cpu_supports("x86-64-v3");
+  const bool v4 = __builtin_cpu_supports("x86-64-v4");
+#endif
+  if (std::strcmp(feature_set, "avx2") == 0) return v3;
+  if (std::strcmp(feature_set, "avx512") == 0) return v4;
 #endif
   (void)feature_set;
   return false;

@@ -13,6 +13,13 @@ One bucket, one step:
     powersgd: per tensor, P then Q allreduced (see powersgd.PowerSGDBucket).
 Everything is asynchronous: collectives return futures and the next stage runs in a callback.
 
+Non-finite gradients: before a bucket is compressed, the ranks agree (one 4-byte allreduce) whether
+any of them holds a NaN or Inf in it. If one does, nothing of the codec runs for that bucket that
+step: with nonfinite="allreduce" (the default) it goes by plain allreduce, so the averaged gradient
+is exactly what DDP alone would deliver (AMP's GradScaler sees the Inf and skips the step); with
+nonfinite="skip" it does not travel at all and arrives as NaN on every rank. Either way residuals
+and PowerSGD's Q are left as they were, so the steps after it are not poisoned.
+
 State lives per bucket (keyed by bucket.index()) and per parameter inside it, so when DDP lays its
 buckets out anew (its rebuild after the first step, or a fresh process resuming a checkpoint)
 residuals and Q follow their parameters; a bucket made of whole saved buckets is processed as
@@ -36,7 +43,8 @@ from .codecs import PayloadCodec, codec as make_codec
 from .powersgd import PowerSGD, PowerSGDBucket
 
 logger = logging.getLogger("gradcomp")
-STATS_KEYS = ("raw_bytes", "wire_bytes", "encode_s", "decode_s", "buckets", "compressed_buckets")
+STATS_KEYS = ("raw_bytes", "wire_bytes", "encode_s", "decode_s", "buckets", "compressed_buckets", "nonfinite_buckets")
+NONFINITE_POLICIES = ("allreduce", "skip")
 STATE_FORMAT = 1
 _STATS_LOCK = threading.Lock()  # stats are a few additions per bucket: one lock for every state will do
 
@@ -108,39 +116,37 @@ class PayloadBucket:
 
 
 class _Sequencer:
-    """Puts the collectives that callbacks start (PowerSGD's Q) in the same order on every rank.
+    """Puts the collectives that callbacks start (PowerSGD's Q) in one order on every rank, and before
+    anything DDP itself issues after the step's last bucket (find_unused_parameters' allreduce).
 
     Collectives must be issued in one order on all ranks, but callbacks run whenever a collective
     happens to finish on this rank. So each such collective takes a ticket when its bucket is
-    launched (in bucket order, on the thread that calls the hook), and they are issued in ticket
-    order once the step's last bucket has been launched.
+    launched (in bucket order, on the thread that calls the hook). When the step's last bucket has
+    been launched, close() waits until every ticket's collective is ready to go (its P has arrived)
+    and issues them in ticket order, on the hook's thread, before DDP's next collective.
     """
 
     def __init__(self):
-        self._lock = threading.Lock()
         self._ready: dict[int, Any] = {}
-        self._tickets = self._next = 0
-        self._closed = False
+        self._tickets = 0
+        self._condition = threading.Condition()
 
     def ticket(self) -> int:
         self._tickets += 1
         return self._tickets - 1
 
     def submit(self, ticket: int, launch) -> None:
-        """launch() issues the collective; it must handle its own errors."""
-        with self._lock:
+        """launch() issues the collective; it must handle its own errors. Called exactly once per ticket
+        (also when the step failed), so close() never waits forever."""
+        with self._condition:
             self._ready[ticket] = launch
-            self._drain()
+            self._condition.notify_all()
 
     def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            self._drain()
-
-    def _drain(self) -> None:
-        while self._closed and self._next in self._ready:
-            self._ready.pop(self._next)()
-            self._next += 1
+        with self._condition:
+            self._condition.wait_for(lambda: len(self._ready) == self._tickets)
+        for ticket in range(self._tickets):
+            self._ready.pop(ticket)()
 
 
 class _Step:
@@ -158,11 +164,39 @@ class _Step:
             self.total[key] += value
 
     def allreduce(self, tensor: torch.Tensor) -> torch.futures.Future:
-        return dist.all_reduce(tensor, group=self.group, async_op=True).get_future()
+        return self._explained(dist.all_reduce(tensor, group=self.group, async_op=True).get_future(), "allreduce")
 
     def all_gather(self, out: torch.Tensor, tensor: torch.Tensor) -> torch.futures.Future:
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        return gather(out.view(-1), tensor, group=self.group, async_op=True).get_future()
+        return self._explained(gather(out.view(-1), tensor, group=self.group, async_op=True).get_future(), "all-gather")
+
+    def all_finite(self, tensor: torch.Tensor) -> bool:
+        """Whether no rank's tensor holds a NaN or Inf: one 4-byte allreduce, waited for here.
+
+        A NaN or Inf anywhere makes the fp32 sum non-finite; a finite sum that overflows (beyond
+        1e38) counts as non-finite too, which only costs that bucket a plain allreduce."""
+        flag = (~torch.isfinite(tensor.sum(dtype=torch.float32))).to(torch.int32).reshape(1)
+        try:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        except Exception as error:
+            raise self._failure("check for NaN and Inf", error) from error
+        return flag.item() == 0
+
+    def _explained(self, future: torch.futures.Future, what: str) -> torch.futures.Future:
+        """The collective's result, or its error with what gradcomp was doing when it failed."""
+
+        def check(done):
+            try:
+                return done.value()
+            except Exception as error:
+                raise self._failure(what, error) from error
+
+        return future.then(check)
+
+    def _failure(self, what: str, error: BaseException) -> RuntimeError:
+        return RuntimeError(f"gradcomp: the {what} of step {self.step} failed on rank {self.rank} of {self.world} "
+                            f"(a rank that died, stalled past the process group's timeout or left the group "
+                            f"ends every rank's step this way): {error}")
 
     @staticmethod
     def new_future(device: torch.device) -> torch.futures.Future:
@@ -193,18 +227,21 @@ class CompressionState:
     rank saves and loads its own.
     """
 
-    __slots__ = ("process_group", "codec", "start_iter", "min_bucket_ratio", "log_every", "iter", "_plans",
-                 "_pool", "_param_keys", "_verified", "_total", "_last", "_current", "_warned", "_sequencer")
+    __slots__ = ("process_group", "codec", "start_iter", "min_bucket_ratio", "nonfinite", "log_every", "iter",
+                 "_plans", "_pool", "_param_keys", "_verified", "_total", "_last", "_current", "_warned", "_sequencer")
 
     def __init__(self, spec: str = "topk", *, process_group: dist.ProcessGroup | None = None, start_iter: int = 2,
-                 min_bucket_ratio: float = 1.0, log_every: int = 0, model: torch.nn.Module | None = None,
-                 **codec_params: Any):
+                 min_bucket_ratio: float = 1.0, nonfinite: str = "allreduce", log_every: int = 0,
+                 model: torch.nn.Module | None = None, **codec_params: Any):
         for name, value in (("start_iter", start_iter), ("log_every", log_every)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"gradcomp: {name}={value!r} must be an integer >= 0")
         if isinstance(min_bucket_ratio, bool) or not isinstance(min_bucket_ratio, (int, float)) or not (
                 min_bucket_ratio >= 0):
             raise ValueError(f"gradcomp: min_bucket_ratio={min_bucket_ratio!r} must be a number >= 0")
+        if nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(f"gradcomp: nonfinite={nonfinite!r} is not a policy; valid: {', '.join(NONFINITE_POLICIES)}")
+        self.nonfinite = nonfinite
         self.codec = make_codec(spec, **codec_params)
         self.process_group = process_group
         self.start_iter, self.min_bucket_ratio, self.log_every = start_iter, float(min_bucket_ratio), log_every
@@ -232,14 +269,19 @@ class CompressionState:
         """What every rank must agree on (compared at the first step) and what a checkpoint must match."""
         world = dist.get_world_size(self._group()) if dist.is_initialized() else None
         return {"codec": self.spec, "start_iter": self.start_iter, "min_bucket_ratio": self.min_bucket_ratio,
-                "world_size": world, "wire_format": _ops._C.format_version}
+                "nonfinite": self.nonfinite, "world_size": world, "wire_format": _ops._C.format_version}
 
     def _verify(self) -> None:
         """All ranks compare their configuration and step: a mismatch raises on every rank, no hang."""
         mine = json.dumps({**self.config(), "step": self.iter}, sort_keys=True)
         group = self._group()
         everyone: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(everyone, mine, group=group)
+        try:
+            dist.all_gather_object(everyone, mine, group=group)
+        except Exception as error:
+            raise RuntimeError(f"gradcomp: the ranks could not compare their configuration at step {self.iter} "
+                               f"(a rank died, stalled past the process group's timeout or left the group): "
+                               f"{error}") from error
         if len(set(everyone)) > 1:
             listing = "\n".join(f"  rank {r}: {c}" for r, c in enumerate(everyone))
             raise RuntimeError(f"gradcomp: the ranks are configured differently; every rank must register the same "
@@ -287,6 +329,17 @@ class CompressionState:
         tensor.div_(step.world)
         return step.allreduce(tensor).then(lambda done: done.value()[0])
 
+    def _nonfinite_bucket(self, step: _Step, flat: torch.Tensor) -> torch.futures.Future:
+        """Some rank's bucket holds a NaN or Inf: the codec and its state are left out of this step."""
+        step.add("nonfinite_buckets", 1)
+        if self.nonfinite == "allreduce":
+            step.add("wire_bytes", flat.numel() * flat.element_size())
+            return self._plain(step, flat)
+        flat.fill_(float("nan"))
+        done = step.new_future(flat.device)
+        done.set_result(flat)
+        return done
+
     def _compressed(self, step: _Step, bucket: dist.GradBucket, buffer: torch.Tensor) -> torch.futures.Future:
         keys = tuple(self._param_keys.setdefault(id(p), len(self._param_keys)) for p in bucket.parameters())
         views = bucket.gradients()
@@ -303,6 +356,9 @@ class CompressionState:
         if raw_bytes <= plan.wire_bytes * self.min_bucket_ratio:
             step.add("wire_bytes", raw_bytes)
             return self._plain(step, flat)  # too small to gain from compression
+        step.add("wire_bytes", 4)  # the agreement on NaN and Inf
+        if not step.all_finite(flat):
+            return self._nonfinite_bucket(step, flat)
         if plan.device is not None and plan.device != flat.device:  # a loaded checkpoint, kept on the CPU
             plan.to(flat.device)
         step.add("wire_bytes", plan.wire_bytes)
@@ -372,6 +428,14 @@ class CompressionState:
 
         return {"step": self.iter, "last": with_ratio(self._last), "total": with_ratio(self._total)}
 
+    def memory_bytes(self) -> int:
+        """Bytes this state holds between steps: error-feedback residuals, PowerSGD's Q, and state waiting
+        for its parameter's next bucket. A step adds, per bucket in flight, its payload (and the world's
+        gathered payloads for allgather codecs; P for powersgd) and frees it when the bucket completes."""
+        tensors = [t for plan in self._plans.values() for t in plan.tensors().values()]
+        tensors += [t for piece in self._pool.values() for t in piece.values()]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
     # -- checkpoints -----------------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
@@ -398,7 +462,10 @@ class CompressionState:
                      if state["config"].get(k) != v and not (k == "world_size" and None in (v, state["config"].get(k)))}
         if differing:
             listing = ", ".join(f"{k}: saved {saved!r}, now {now!r}" for k, (saved, now) in differing.items())
-            raise ValueError(f"gradcomp: the state was saved for another configuration ({listing})")
+            hint = ("; residuals belong to the ranks that built them, so a run on another number of ranks starts "
+                    "from a fresh CompressionState (the residuals are dropped, training goes on)"
+                    if "world_size" in differing else "")
+            raise ValueError(f"gradcomp: the state was saved for another configuration ({listing}){hint}")
         rank = dist.get_rank(self._group()) if dist.is_initialized() else None
         if state.get("rank") is not None and rank is not None and state["rank"] != rank:
             raise ValueError(f"gradcomp: this state holds rank {state['rank']}'s residuals; this is rank {rank} "
@@ -440,11 +507,13 @@ def hook(state, bucket):  # DDP checks the annotations, which this module's stri
 
 def register(ddp_model: torch.nn.parallel.DistributedDataParallel, spec: str = "topk", *,
              process_group: dist.ProcessGroup | None = None, start_iter: int = 2, min_bucket_ratio: float = 1.0,
-             log_every: int = 0, **codec_params: Any) -> CompressionState:
+             nonfinite: str = "allreduce", log_every: int = 0, **codec_params: Any) -> CompressionState:
     """Registers codec `spec` as ddp_model's communication hook; returns its state (for stats and checkpoints).
 
     start_iter: steps of plain allreduce first (past DDP's bucket rebuild after step 0).
     min_bucket_ratio: a bucket is compressed only when raw bytes > this x its bytes on the wire.
+    nonfinite: a bucket with a NaN or Inf on any rank goes by plain "allreduce" that step, or is "skip"ped
+        (NaN on every rank, nothing sent); either way residuals and Q stay as they were.
     log_every: log the cumulative stats to the "gradcomp" logger every N steps (0: never).
     """
     if not isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel):
@@ -454,7 +523,8 @@ def register(ddp_model: torch.nn.parallel.DistributedDataParallel, spec: str = "
         raise RuntimeError(f"gradcomp: a hook ({ddp_model._gradcomp_state.spec}) is already registered on this "
                            f"model; DDP takes one communication hook per model")
     state = CompressionState(spec, process_group=process_group, start_iter=start_iter,
-                             min_bucket_ratio=min_bucket_ratio, log_every=log_every, model=ddp_model.module,
+                             min_bucket_ratio=min_bucket_ratio, nonfinite=nonfinite, log_every=log_every,
+                             model=ddp_model.module,
                              **codec_params)
     ddp_model.register_comm_hook(state, hook)
     ddp_model._gradcomp_state = state

@@ -249,7 +249,11 @@ class PowerSGDBucket:
             step.add("decode_s", time.perf_counter() - started)
             result.set_result(flat)
 
-        step.chain(step.allreduce(p), after_p, result)
+        try:
+            step.chain(step.allreduce(p), after_p, result)
+        except BaseException:
+            step.sequencer.submit(q_ticket, lambda: None)  # the step ends here: nothing for Q to wait on
+            raise
         return result
 
     def pieces(self) -> dict:

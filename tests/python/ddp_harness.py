@@ -42,17 +42,21 @@ def _rank_main(scenario, rank, world, args, workdir, pg_timeout_s):
         dist.destroy_process_group()
 
 
-def run_ranks(scenario, world: int = 2, args: tuple = (), timeout: float = 240, pg_timeout_s: float = 60):
+def run_ranks(scenario, world: int = 2, args: tuple = (), timeout: float = 240, pg_timeout_s: float = 60,
+              wait_for: list[int] | None = None):
+    """wait_for: the ranks whose results are awaited (default: all). The others (a rank a fault test
+    kills or stalls) are killed once those have finished, and their result is None."""
     context = multiprocessing.get_context("spawn")
+    awaited = list(range(world)) if wait_for is None else list(wait_for)
     with tempfile.TemporaryDirectory() as workdir:
         processes = [context.Process(target=_rank_main, args=(scenario, rank, world, args, workdir, pg_timeout_s))
                      for rank in range(world)]
         for process in processes:
             process.start()
         deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
-        for process in processes:
-            process.join(max(0.0, (deadline - datetime.datetime.now()).total_seconds()))
-        hung = [rank for rank, process in enumerate(processes) if process.is_alive()]
+        for rank in awaited:
+            processes[rank].join(max(0.0, (deadline - datetime.datetime.now()).total_seconds()))
+        hung = [rank for rank in awaited if processes[rank].is_alive()]
         for process in processes:
             if process.is_alive():
                 process.kill()
@@ -63,6 +67,9 @@ def run_ranks(scenario, world: int = 2, args: tuple = (), timeout: float = 240, 
         for rank in range(world):
             path = f"{workdir}/result.{rank}.pt"
             if not os.path.exists(path):
+                if rank not in awaited:
+                    results.append(None)
+                    continue
                 raise RuntimeError(f"rank {rank} died (exit code {processes[rank].exitcode}) without a result")
             results.append(torch.load(path, weights_only=False))
         return results

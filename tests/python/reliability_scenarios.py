@@ -1,0 +1,178 @@
+"""What each rank runs in the reliability tests (test_reliability.py): non-finite gradients, ranks that
+die or stall, DDP's less common settings, and memory over many steps. See ddp_harness.run_ranks."""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+
+import torch
+import torch.nn as nn
+
+import gradcomp
+from ddp_scenarios import FEATURES, CLASSES, batch, gradients, make_model, train, wrap
+
+NAN_AT, INF_AT = (0, 0), (1, 1)  # in the middle layer's weight: NaN from the last rank, +Inf from rank 0
+
+
+def _plan_tensors(state, index):
+    plan = state._plans.get(index)
+    return {} if plan is None else {k: t.clone() for k, t in plan.tensors().items() if t is not None}
+
+
+def nonfinite(rank, world, specs, policy, bad_step, steps):
+    """At bad_step the last rank's gradient gets a NaN and rank 0's a +Inf (the same element of every
+    spec's model). Trains under AMP's GradScaler, which must see them and skip that step.
+
+    Returns per spec: each bucket's gradient and averaged output at bad_step (with the bucket's state
+    just before and just after), the parameters after every step, the losses, the scale and stats."""
+    out = {}
+    for spec in specs:
+        model = make_model()
+        ddp = wrap(model)
+        state = gradcomp.CompressionState(spec, model=model, nonfinite=policy)
+        current = {"step": 0}
+
+        def poison(grad):
+            if current["step"] != bad_step:
+                return grad
+            grad = grad.clone()
+            if rank == world - 1:
+                grad[NAN_AT] = float("nan")
+            if rank == 0:
+                grad[INF_AT] = float("inf")
+            return grad
+
+        model[2].weight.register_hook(poison)
+        buckets = {}
+
+        def recording_hook(state, bucket):
+            if state.iter != bad_step:
+                return gradcomp.hook(state, bucket)
+            index, grad = bucket.index(), bucket.buffer().clone()
+            before = _plan_tensors(state, index)
+
+            def record(done):
+                result = done.value()
+                result = result[0] if isinstance(result, list) else result
+                buckets[index] = {"grad": grad, "out": result.clone(), "before": before}
+                return result
+
+            return gradcomp.hook(state, bucket).then(record)
+
+        ddp.register_comm_hook(state, recording_hook)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=10_000)
+        losses, params = [], []
+        for step in range(steps):
+            current["step"] = step
+            x, y = batch(step, 0, rank)
+            loss = nn.functional.cross_entropy(ddp(x), y)
+            scaler.scale(loss).backward()
+            if step == bad_step:
+                for index, record in buckets.items():
+                    record["after"] = _plan_tensors(state, index)
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+            params.append([p.detach().clone() for p in model.parameters()])
+        out[spec] = {"buckets": buckets, "losses": losses, "params": params, "scale": scaler.get_scale(),
+                     "stats": state.stats()["total"]}
+    return out
+
+
+def fault(rank, world, spec, register_kwargs, kind, fault_step):
+    """The last rank dies (kind "die") or stalls forever ("stall") at fault_step; the others train on and
+    return the error their step ended with, and how long after the fault's step began it came."""
+    model = make_model()
+    ddp = wrap(model)
+    gradcomp.register(ddp, spec, **register_kwargs)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(fault_step + 1):
+        started = time.monotonic()
+        if step == fault_step and rank == world - 1:
+            if kind == "die":
+                os._exit(3)
+            time.sleep(3600)
+        try:
+            train(ddp, optimizer, 1, rank, first_step=step)
+        except Exception as error:  # noqa: BLE001 - what the test checks
+            return {"step": step, "error": f"{type(error).__name__}: {error}", "after_s": time.monotonic() - started}
+    return {"step": fault_step, "error": None, "after_s": None}
+
+
+class Branchy(nn.Module):
+    """Two heads, one used on even steps and one on odd steps, and a parameter of 0 elements."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1234)
+        self.trunk = nn.Linear(FEATURES, 32)
+        self.even, self.odd = nn.Linear(32, CLASSES), nn.Linear(32, CLASSES)
+        self.empty = nn.Parameter(torch.zeros(0))
+
+    def forward(self, x, step):
+        head = self.even if step % 2 == 0 else self.odd
+        return head(torch.tanh(self.trunk(x))) + self.empty.sum()
+
+
+def unused_parameters(rank, world, configs, steps):
+    """find_unused_parameters=True on Branchy; configs as in ddp_scenarios.lossless. Returns per config
+    the gradients after every step (None for a parameter no rank used) and the losses."""
+    out = {}
+    for name, config in configs.items():
+        model = Branchy()
+        ddp = wrap(model, find_unused_parameters=True)
+        if config is not None:
+            gradcomp.register(ddp, config[0], **config[1])
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.2)
+        grads, losses = [], []
+        for step in range(steps):
+            x, y = batch(step, 0, rank)
+            loss = nn.functional.cross_entropy(ddp(x, step), y)
+            loss.backward()
+            grads.append([None if p.grad is None else p.grad.detach().clone() for p in model.parameters()])
+            losses.append(loss.item())
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        out[name] = {"grads": grads, "losses": losses}
+    return out
+
+
+def memory(rank, world, specs, steps):
+    """Per spec: the state's memory_bytes() after every step, the live tensors in the process after the
+    first few and after the last step, and the parameters' bytes."""
+    out = {}
+    for spec in specs:
+        model = make_model()
+        ddp = wrap(model)
+        state = gradcomp.register(ddp, spec)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        held, live = [], {}
+
+        def record(step):
+            held.append(state.memory_bytes())
+            if step in (5, steps - 1):
+                gc.collect()
+                live[step] = sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
+
+        train(ddp, optimizer, steps, rank, record=record)
+        out[spec] = {"held": held, "live": live, "param_bytes": sum(p.numel() * 4 for p in model.parameters()),
+                     "matrix_numel": sum(p.numel() for p in model.parameters() if p.dim() >= 2)}
+        del ddp, state, optimizer, model
+        gc.collect()
+    return out
+
+
+def load_elsewhere(rank, world, saved):
+    """Loads a state saved by another world size; returns the error."""
+    try:
+        gradcomp.CompressionState(saved["config"]["codec"]).load_state_dict(saved)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+__all__ = ["nonfinite", "fault", "unused_parameters", "memory", "load_elsewhere", "gradients"]

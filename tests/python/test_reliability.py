@@ -1,0 +1,126 @@
+"""Reliability on real processes (gloo): non-finite gradients, ranks that die or stall, DDP's less common
+settings, memory over many steps, checkpoints from another world size. Each test backs a promise in the
+README's "Guarantees"."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import reliability_scenarios as scenarios
+from ddp_harness import run_ranks, unwrap
+from test_ddp import LOSSLESS, TOLERANCE
+
+# Every codec family, error feedback on wherever the codec has it.
+NONFINITE_SPECS = ["topk:ratio=0.1", "randomk:ratio=0.1", "signsgd", "terngrad:error_feedback=true",
+                   "qsgd:error_feedback=true", "fp16:error_feedback=true", "powersgd:rank=2"]
+BAD_STEP, STEPS = 4, 12
+
+
+def _poisoned(bucket_records):
+    """The buckets whose gradient holds a NaN or Inf on some rank (the same indices on every rank)."""
+    return {i for ranks in zip(*bucket_records) for i in [ranks[0][0]] if
+            any(not torch.isfinite(r[1]["grad"]).all() for r in ranks)}
+
+
+@pytest.fixture(scope="module", params=["allreduce", "skip"])
+def nonfinite_runs(request):
+    return request.param, unwrap(run_ranks(scenarios.nonfinite, 2, (NONFINITE_SPECS, request.param, BAD_STEP, STEPS)))
+
+
+@pytest.mark.parametrize("spec", NONFINITE_SPECS)
+def test_nonfinite_gradient_reaches_the_average_and_spares_the_state(nonfinite_runs, spec):
+    policy, results = nonfinite_runs
+    runs = [r[spec] for r in results]
+    records = [sorted(run["buckets"].items()) for run in runs]
+    poisoned = _poisoned(records)
+    assert len(poisoned) == 1, poisoned  # the middle layer's weight lies in one bucket
+    for index in poisoned:
+        grads = [dict(r)[index]["grad"] for r in records]
+        plain = sum(g / len(grads) for g in grads)  # what plain DDP delivers: each divided by world, then summed
+        for rank_records in records:
+            record = dict(rank_records)[index]
+            if policy == "allreduce":
+                torch.testing.assert_close(record["out"], plain, rtol=0, atol=0, equal_nan=True)
+                assert torch.isnan(record["out"]).sum() == 1 and torch.isposinf(record["out"]).sum() == 1
+            else:
+                assert torch.isnan(record["out"]).all()
+            # Nothing of the codec ran: residuals and Q exactly as before the step.
+            assert record["before"].keys() == record["after"].keys()
+            for name, tensor in record["before"].items():
+                assert torch.equal(tensor, record["after"][name]), f"{spec}: {name} changed"
+                assert torch.isfinite(record["after"][name]).all()
+    for run in runs:
+        # GradScaler saw the Inf/NaN: it skipped that step (parameters unchanged) and halved its scale once.
+        assert run["scale"] == 512.0
+        for before, after in zip(run["params"][BAD_STEP - 1], run["params"][BAD_STEP]):
+            assert torch.equal(before, after)
+        assert all(math.isfinite(loss) for loss in run["losses"])
+        assert all(torch.isfinite(p).all() for p in run["params"][-1])
+        assert sum(run["losses"][-3:]) < sum(run["losses"][:3])
+        assert run["stats"]["nonfinite_buckets"] == 1
+        assert run["stats"]["compressed_buckets"] > 0
+    # Every rank got the same averaged gradient, NaN for NaN.
+    for (index, a), (_, b) in zip(*records):
+        torch.testing.assert_close(a["out"], b["out"], rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("kind", ["die", "stall"])
+@pytest.mark.parametrize("register_kwargs", [{}, {"start_iter": 100}], ids=["compressed", "plain allreduce"])
+def test_a_rank_that_dies_or_stalls_ends_the_others_step_with_a_clear_error(kind, register_kwargs):
+    pg_timeout_s = 6
+    results = run_ranks(scenarios.fault, 3, ("topk:ratio=0.1", register_kwargs, kind, 4), timeout=120,
+                        pg_timeout_s=pg_timeout_s, wait_for=[0, 1])
+    assert results[2] is None  # the faulty rank never reported
+    for result in unwrap(results[:2]):
+        assert result["step"] == 4, result
+        assert result["error"] is not None, result
+        assert "gradcomp: the" in result["error"] and "step 4 failed" in result["error"], result["error"]
+        if kind == "stall":
+            assert "Timed out" in result["error"], result["error"]
+        assert result["after_s"] < pg_timeout_s + 30, result
+
+
+def test_find_unused_parameters_and_a_parameter_of_zero_elements():
+    configs = {name: config for name, config in LOSSLESS.items() if "batched" not in name}
+    configs["topk compressed"] = ("topk:ratio=0.2", {})
+    configs["powersgd compressed"] = ("powersgd:rank=1", {})
+    for rank_result in unwrap(run_ranks(scenarios.unused_parameters, 2, (configs, 8))):
+        plain = rank_result["plain"]
+        for name in LOSSLESS:
+            if name not in configs:
+                continue
+            for step, (got, want) in enumerate(zip(rank_result[name]["grads"], plain["grads"])):
+                for param, (g, w) in enumerate(zip(got, want)):
+                    assert (g is None) == (w is None), (name, step, param)
+                    if g is not None:
+                        torch.testing.assert_close(g, w, **TOLERANCE.get(name, {}),
+                                                   msg=lambda m: f"{name}, step {step}, parameter {param}: {m}")
+        for name in ("topk compressed", "powersgd compressed"):
+            losses = rank_result[name]["losses"]
+            assert all(math.isfinite(x) for x in losses) and sum(losses[-2:]) < sum(losses[:2]), (name, losses)
+
+
+def test_memory_is_bounded_and_does_not_grow():
+    specs = ["topk:ratio=0.1", "qsgd", "powersgd:rank=2"]
+    steps = 60
+    for rank_result in unwrap(run_ranks(scenarios.memory, 2, (specs, steps))):
+        topk, qsgd, powersgd = (rank_result[s] for s in specs)
+        # The documented bound: a residual of the gradient's size with error feedback, nothing without;
+        # powersgd: an fp32 residual of its matrices plus Q.
+        assert set(topk["held"][2:]) == {topk["param_bytes"]}
+        assert set(qsgd["held"]) == {0}
+        assert len(set(powersgd["held"][2:])) == 1
+        assert 4 * powersgd["matrix_numel"] < powersgd["held"][-1] < 4 * powersgd["matrix_numel"] * 1.5
+        for run in (topk, qsgd, powersgd):
+            assert run["live"][steps - 1] <= run["live"][5], run["live"]  # no tensors kept per step
+
+
+def test_resuming_on_another_world_size_is_refused_with_what_to_do():
+    import ddp_scenarios
+
+    saved = unwrap(run_ranks(ddp_scenarios.state_checks, 2))[0]["saved"]
+    error = unwrap(run_ranks(scenarios.load_elsewhere, 1, (saved,)))[0]
+    assert error is not None and "world_size: saved 2, now 1" in error and "fresh CompressionState" in error
