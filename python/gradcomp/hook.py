@@ -128,25 +128,42 @@ class _Sequencer:
 
     def __init__(self):
         self._ready: dict[int, Any] = {}
-        self._tickets = 0
+        self._results: list[torch.futures.Future] = []
+        self._abandoned = False
         self._condition = threading.Condition()
 
-    def ticket(self) -> int:
-        self._tickets += 1
-        return self._tickets - 1
+    def ticket(self, result: torch.futures.Future) -> int:
+        """A place in the order for the collective that will complete result."""
+        self._results.append(result)
+        return len(self._results) - 1
 
     def submit(self, ticket: int, launch) -> None:
         """launch() issues the collective; it must handle its own errors. Called exactly once per ticket
         (also when the step failed), so close() never waits forever."""
         with self._condition:
-            self._ready[ticket] = launch
-            self._condition.notify_all()
+            if not self._abandoned:
+                self._ready[ticket] = launch
+                self._condition.notify_all()
 
     def close(self) -> None:
         with self._condition:
-            self._condition.wait_for(lambda: len(self._ready) == self._tickets)
-        for ticket in range(self._tickets):
-            self._ready.pop(ticket)()
+            self._condition.wait_for(lambda: self._abandoned or len(self._ready) == len(self._results))
+            launches = [self._ready.pop(t) for t in range(len(self._results)) if t in self._ready]
+        for launch in launches:
+            launch()
+
+    def abandon(self, error: BaseException) -> None:
+        """A bucket failed on this rank mid-step: no more of the step's collectives start here (they could
+        no longer match the other ranks'), and the buckets waiting for one end with the error."""
+        with self._condition:
+            self._abandoned = True
+            self._ready.clear()
+            self._condition.notify_all()
+        for result in self._results:
+            try:
+                result.set_exception(error)
+            except RuntimeError:  # completed meanwhile
+                pass
 
 
 class _Step:
@@ -291,22 +308,31 @@ class CompressionState:
     # -- the hook --------------------------------------------------------------------------------------------------
 
     def communicate(self, bucket: dist.GradBucket) -> torch.futures.Future:
-        if not self._verified:
-            self._verify()
-        group = self._group()
-        step = _Step(group, dist.get_world_size(group), dist.get_rank(group), self.iter, self._current, self._total,
-                     self._sequencer, _STATS_LOCK)
-        buffer = bucket.buffer()
-        raw_bytes = buffer.numel() * buffer.element_size()
-        step.add("raw_bytes", raw_bytes)
-        step.add("buckets", 1)
-        if self.iter < self.start_iter or not self._compressible(buffer):
-            step.add("wire_bytes", raw_bytes)
-            future = self._plain(step, buffer)
-        else:
-            future = self._compressed(step, bucket, buffer)
+        try:
+            if not self._verified:
+                self._verify()
+            group = self._group()
+            step = _Step(group, dist.get_world_size(group), dist.get_rank(group), self.iter, self._current,
+                         self._total, self._sequencer, _STATS_LOCK)
+            buffer = bucket.buffer()
+            raw_bytes = buffer.numel() * buffer.element_size()
+            step.add("raw_bytes", raw_bytes)
+            step.add("buckets", 1)
+            if self.iter < self.start_iter or not self._compressible(buffer):
+                step.add("wire_bytes", raw_bytes)
+                future = self._plain(step, buffer)
+            else:
+                future = self._compressed(step, bucket, buffer)
+            if bucket.is_last():
+                self._sequencer.close()
+        except BaseException as error:
+            # DDP abandons the step's backward: end the step here, and have the ranks compare their
+            # steps again before the next collective (one whose step failed only here may be behind).
+            self._sequencer.abandon(error)
+            self._end_step()
+            self._verified = False
+            raise
         if bucket.is_last():
-            self._sequencer.close()
             self._end_step()
         return future
 
@@ -433,8 +459,9 @@ class CompressionState:
         for its parameter's next bucket. A step adds, per bucket in flight, its payload (and the world's
         gathered payloads for allgather codecs; P for powersgd) and frees it when the bucket completes."""
         tensors = [t for plan in self._plans.values() for t in plan.tensors().values()]
-        tensors += [t for piece in self._pool.values() for t in piece.values()]
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        tensors += [t for piece in self._pool.values() for t in piece.values()]  # views keep whole buffers alive
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t is not None}
+        return sum(storages.values())
 
     # -- checkpoints -----------------------------------------------------------------------------------------------
 
@@ -457,7 +484,7 @@ class CompressionState:
             found = state.get("format") if isinstance(state, dict) else None
             raise ValueError(f"gradcomp: not a gradcomp state (format {STATE_FORMAT}); got "
                              f"{type(state).__name__} with format {found}")
-        mine = self.config()
+        mine = {k: v for k, v in self.config().items() if k != "nonfinite"}  # the policy may change on resume
         differing = {k: (state["config"].get(k), v) for k, v in mine.items()
                      if state["config"].get(k) != v and not (k == "world_size" and None in (v, state["config"].get(k)))}
         if differing:

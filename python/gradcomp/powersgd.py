@@ -209,7 +209,7 @@ class PowerSGDBucket:
         whole.div_(world)  # averaged before the sum, as plain DDP does
         step.add("encode_s", time.perf_counter() - started)
         result = step.new_future(flat.device)
-        q_ticket = step.sequencer.ticket()  # Q's allreduce is started from a callback: keep rank order
+        q_ticket = step.sequencer.ticket(result)  # Q's allreduce is started from a callback: keep rank order
 
         def launch_q():  # issued even after an error here, so that the other ranks are not left waiting
             try:

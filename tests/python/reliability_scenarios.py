@@ -84,15 +84,19 @@ def nonfinite(rank, world, specs, policy, bad_step, steps):
 
 
 def fault(rank, world, spec, register_kwargs, kind, fault_step):
-    """The last rank dies (kind "die") or stalls forever ("stall") at fault_step; the others train on and
-    return the error their step ended with, and how long after the fault's step began it came."""
+    """The last rank dies (kind "die": before its step; "die in backward": once backward has reached the
+    first layer, i.e. after the other buckets were launched) or stalls forever ("stall") at fault_step.
+    The others train on and return the error their step ended with, and how long after the step began."""
     model = make_model()
     ddp = wrap(model)
     gradcomp.register(ddp, spec, **register_kwargs)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    current = {"step": 0}
+    if kind == "die in backward" and rank == world - 1:
+        model[0].weight.register_hook(lambda grad: os._exit(3) if current["step"] == fault_step else grad)
     for step in range(fault_step + 1):
-        started = time.monotonic()
-        if step == fault_step and rank == world - 1:
+        current["step"], started = step, time.monotonic()
+        if step == fault_step and rank == world - 1 and kind != "die in backward":
             if kind == "die":
                 os._exit(3)
             time.sleep(3600)

@@ -5,6 +5,7 @@ README's "Guarantees"."""
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -67,27 +68,36 @@ def test_nonfinite_gradient_reaches_the_average_and_spares_the_state(nonfinite_r
         torch.testing.assert_close(a["out"], b["out"], rtol=0, atol=0, equal_nan=True)
 
 
-@pytest.mark.parametrize("kind", ["die", "stall"])
-@pytest.mark.parametrize("register_kwargs", [{}, {"start_iter": 100}], ids=["compressed", "plain allreduce"])
-def test_a_rank_that_dies_or_stalls_ends_the_others_step_with_a_clear_error(kind, register_kwargs):
+FAULTS = [("topk:ratio=0.1", {}, "die"), ("topk:ratio=0.1", {}, "stall"),
+          ("topk:ratio=0.1", {"start_iter": 100}, "die"), ("topk:ratio=0.1", {"start_iter": 100}, "stall"),
+          ("powersgd:rank=1", {}, "die in backward")]
+
+
+@pytest.mark.parametrize("spec, register_kwargs, kind", FAULTS,
+                         ids=["compressed-die", "compressed-stall", "plain allreduce-die", "plain allreduce-stall",
+                              "powersgd-die in backward"])
+def test_a_rank_that_dies_or_stalls_ends_the_others_step_with_a_clear_error(spec, register_kwargs, kind):
     pg_timeout_s = 6
-    results = run_ranks(scenarios.fault, 3, ("topk:ratio=0.1", register_kwargs, kind, 4), timeout=120,
+    results = run_ranks(scenarios.fault, 3, (spec, register_kwargs, kind, 4), timeout=120,
                         pg_timeout_s=pg_timeout_s, wait_for=[0, 1])
     assert results[2] is None  # the faulty rank never reported
     for result in unwrap(results[:2]):
         assert result["step"] == 4, result
         assert result["error"] is not None, result
         assert "gradcomp: the" in result["error"] and "step 4 failed" in result["error"], result["error"]
-        if kind == "stall":
-            assert "Timed out" in result["error"], result["error"]
-        assert result["after_s"] < pg_timeout_s + 30, result
+        if kind == "stall":  # gloo words it as a timeout, or as a pair closed on the timeout
+            assert re.search("(?i)timed out|timeout", result["error"]), result["error"]
+            assert result["after_s"] < pg_timeout_s + 10, result
+        else:  # a dead peer closes its connections: the others learn at once
+            assert result["after_s"] < 5, result
 
 
 def test_find_unused_parameters_and_a_parameter_of_zero_elements():
     configs = {name: config for name, config in LOSSLESS.items() if "batched" not in name}
     configs["topk compressed"] = ("topk:ratio=0.2", {})
     configs["powersgd compressed"] = ("powersgd:rank=1", {})
-    for rank_result in unwrap(run_ranks(scenarios.unused_parameters, 2, (configs, 8))):
+    results = unwrap(run_ranks(scenarios.unused_parameters, 2, (configs, 8)))
+    for rank_result in results:
         plain = rank_result["plain"]
         for name in LOSSLESS:
             if name not in configs:
@@ -101,6 +111,10 @@ def test_find_unused_parameters_and_a_parameter_of_zero_elements():
         for name in ("topk compressed", "powersgd compressed"):
             losses = rank_result[name]["losses"]
             assert all(math.isfinite(x) for x in losses) and sum(losses[-2:]) < sum(losses[:2]), (name, losses)
+    for name in configs:  # every rank received the same averaged gradients, unused parameters included
+        for a, b in zip(results[0][name]["grads"], results[1][name]["grads"]):
+            for g, h in zip(a, b):
+                assert (g is None and h is None) or torch.equal(g, h), name
 
 
 def test_memory_is_bounded_and_does_not_grow():
