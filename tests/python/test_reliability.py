@@ -129,7 +129,9 @@ def test_memory_is_bounded_and_does_not_grow():
         assert len(set(powersgd["held"][2:])) == 1
         assert 4 * powersgd["matrix_numel"] < powersgd["held"][-1] < 4 * powersgd["matrix_numel"] * 1.5
         for run in (topk, qsgd, powersgd):
-            assert run["live"][steps - 1] <= run["live"][5], run["live"]  # no tensors kept per step
+            # No tensors kept per step: 50 more steps would leave 50 more. A couple come and go with the
+            # moment of counting (the last bucket's future, the loss).
+            assert run["live"][steps - 1] <= run["live"][10] + 2, run["live"]
 
 
 def test_resuming_on_another_world_size_is_refused_with_what_to_do():
