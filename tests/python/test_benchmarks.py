@@ -1,13 +1,17 @@
-"""Smoke test: the kernel benchmark runs in its quick mode and writes what it promises."""
+"""Smoke tests: each benchmark runs in its quick or tiny mode and writes what it promises."""
 
+import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "kernels.py"
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+SCRIPT = BENCHMARKS / "kernels.py"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.skipif(not SCRIPT.exists(), reason="benchmarks/ is not part of this checkout")
@@ -26,3 +30,56 @@ def test_kernel_benchmark_quick_mode(tmp_path):
     assert (tmp_path / "smoke.csv").read_text().count("\n") == 4  # header + 3 rows
     assert (tmp_path / "smoke.png").stat().st_size > 1000
     assert "signsgd" in result.stdout
+
+
+def run_script(*args, timeout=900):
+    result = subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    return result.stdout
+
+
+def test_accuracy_vs_ratio_quick_mode_writes_and_merges(tmp_path):
+    script = BENCHMARKS / "accuracy_vs_ratio.py"
+    run_script(script, "--quick", "--epochs", "1", "--codecs", "none", "topk:ratio=0.1", "--out", tmp_path)
+    # A second invocation with another codec keeps the first one's runs.
+    out = run_script(script, "--quick", "--epochs", "1", "--codecs", "signsgd:error_feedback=false", "--out", tmp_path)
+    report = json.loads((tmp_path / "accuracy_vs_ratio_quick.json").read_text())
+    rows = {row["spec"]: row for row in report["summary"]}
+    assert set(rows) == {"none", "topk:ratio=0.1", "signsgd:error_feedback=false"}
+    assert rows["none"]["ratio"] == 1.0 and rows["none"]["family"] == "none"
+    assert rows["topk:ratio=0.1"]["ratio"] > 3 and rows["signsgd:error_feedback=false"]["family"] == "signsgd, no EF"
+    for row in rows.values():
+        assert row["dataset"] == "mnist1d" and row["seeds"] == 1
+        assert 10 < row["acc_mean"] <= 100 and row["acc_min"] <= row["acc_mean"] <= row["acc_max"]
+    assert len(report["runs"]) == 3 and report["machine"]["cores"] >= 1
+    assert (tmp_path / "accuracy_vs_ratio_quick.csv").read_text().count("\n") == 4
+    assert (tmp_path / "accuracy_vs_ratio_quick.png").read_bytes()[:8] == PNG_MAGIC
+    assert "signsgd:error_feedback=false" in out
+
+
+def test_network_tiny_mode(tmp_path):
+    out = run_script(BENCHMARKS / "network.py", "--tiny", "--hooks", "allreduce (plain DDP)",
+                     "no communication (limit)", "torch-powersgd", "topk:ratio=0.01", "powersgd:rank=2",
+                     "--out", tmp_path)
+    report = json.loads((tmp_path / "network_tiny.json").read_text())
+    links = {row["link"] for row in report["rows"]}
+    assert links == ({"1gbit"} if os.geteuid() == 0 else {"unshaped loopback"}), out
+    rows = {row["hook"]: row for row in report["rows"]}
+    assert set(rows) == {"allreduce (plain DDP)", "no communication (limit)", "torch powerSGD_hook rank 2",
+                         "gradcomp topk:ratio=0.01", "gradcomp powersgd:rank=2"}
+    assert rows["no communication (limit)"]["vs_limit"] == 1.0
+    for row in rows.values():
+        assert row["median_ms"] > 0 and row["min_ms"] <= row["median_ms"] <= row["max_ms"]
+    assert 0 < rows["gradcomp topk:ratio=0.01"]["wire_mb_per_step"] < report["gradient_bytes"] / 1e6 / 10
+    assert (tmp_path / "network_tiny.csv").read_text().count("\n") == 6
+    assert (tmp_path / "network_tiny.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_network_without_root_explains_and_exits_cleanly(tmp_path, monkeypatch, capsys):
+    spec = importlib.util.spec_from_file_location("network_benchmark", BENCHMARKS / "network.py")
+    network = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(network)
+    monkeypatch.setattr(network.os, "geteuid", lambda: 1000)
+    assert network.main(["--out", str(tmp_path)]) == 0
+    assert "needs root" in capsys.readouterr().out
+    assert not any(tmp_path.iterdir())  # nothing measured, nothing written
