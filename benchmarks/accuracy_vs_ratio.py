@@ -196,7 +196,13 @@ def plot(rows: list[dict], path: str) -> None:
                      f"mean and range over {seeds} seed{'s' if seeds > 1 else ''})")
         low = min(r["acc_min"] for r in mine)
         if base:
-            ax.set_ylim(max(low - 2, base["acc_mean"] - 25), base["acc_mean"] + 3)
+            bottom = max(low - 2, base["acc_mean"] - 25)
+            ax.set_ylim(bottom, base["acc_mean"] + 3)
+            for r in mine:  # points below the axis: an arrow at the bottom with their accuracy
+                if r["acc_mean"] < bottom:
+                    ax.annotate(f"{r['acc_mean']:.0f}%", xy=(r["ratio"], bottom), xytext=(0, 14),
+                                textcoords="offset points", ha="center", fontsize=7, color=colors[r["family"]],
+                                arrowprops={"arrowstyle": "->", "color": colors[r["family"]]})
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8, loc="lower left")
     fig.tight_layout()
@@ -238,6 +244,7 @@ def parse_args(argv=None):
     parser.add_argument("--nprocs", type=int, default=2, help="local ranks (ignored under torchrun)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
+    parser.add_argument("--replot", action="store_true", help="only redraw the plot from the results in --out")
     parser.add_argument("--fresh", action="store_true",
                         help="drop earlier results in --out (default: keep the runs this invocation does not redo)")
     args = parser.parse_args(argv)
@@ -266,6 +273,11 @@ def main(argv=None) -> None:
     plan = build_plan(args)
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, "accuracy_vs_ratio" + ("_quick" if args.quick else ""))
+    if args.replot:
+        with open(stem + ".json") as f:
+            plot(json.load(f)["summary"], stem + ".png")
+        print(f"redrew {stem}.png")
+        return
     raw_path = stem + ".runs.json"
     started = time.time()
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun

@@ -44,13 +44,20 @@ import gradcomp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 POWERSGD_RANK = 2
-# (label, kind, spec): kind "plain" (no hook), "limit", "torch-fp16", "torch-powersgd" or "gradcomp".
-HOOKS = [("allreduce (plain DDP)", "plain", None), ("no communication (limit)", "limit", None),
-         ("torch fp16_compress_hook", "torch-fp16", None),
-         (f"torch powerSGD_hook rank {POWERSGD_RANK}", "torch-powersgd", None)]
-HOOKS += [(f"gradcomp {spec}", "gradcomp", spec) for spec in
+ONE_BUCKET_MB = 1024  # DDP's bucket cap that puts the whole gradient in one bucket
+# (label, kind, spec, bucket_cap_mb): kind "plain" (no hook), "limit", "torch-fp16", "torch-powersgd" or
+# "gradcomp"; bucket_cap_mb None is DDP's default (25 MB). torch's powerSGD_hook runs with one bucket:
+# it starts Q's allreduce from P's callback, and with several buckets on gloo the ranks then issue
+# them in different orders and gloo aborts ("Received data size doesn't match"); gradcomp's powersgd
+# runs both ways, one bucket being the like-for-like comparison.
+HOOKS = [("allreduce (plain DDP)", "plain", None, None), ("no communication (limit)", "limit", None, None),
+         ("torch fp16_compress_hook", "torch-fp16", None, None),
+         (f"torch powerSGD_hook rank {POWERSGD_RANK}, one bucket", "torch-powersgd", None, ONE_BUCKET_MB)]
+HOOKS += [(f"gradcomp {spec}", "gradcomp", spec, None) for spec in
           ("none", "fp16", "bf16", "signsgd", "terngrad", "qsgd", "topk:ratio=0.01", "randomk:ratio=0.01",
            f"powersgd:rank={POWERSGD_RANK}")]
+HOOKS += [(f"gradcomp powersgd:rank={POWERSGD_RANK}, one bucket", "gradcomp", f"powersgd:rank={POWERSGD_RANK}",
+           ONE_BUCKET_MB)]
 RATES = ["1gbit", "10gbit"]
 
 
@@ -105,10 +112,10 @@ def attach(ddp: DistributedDataParallel, kind: str, spec: str | None):
     return None
 
 
-def measure(rank: int, world: int, kind: str, spec: str | None, args) -> dict:
+def measure(rank: int, world: int, kind: str, spec: str | None, bucket_cap_mb: float | None, args) -> dict:
     torch.manual_seed(0)
     model = resnet18(width=args.width)
-    ddp = DistributedDataParallel(model)
+    ddp = DistributedDataParallel(model, **({"bucket_cap_mb": bucket_cap_mb} if bucket_cap_mb else {}))
     state = attach(ddp, kind, spec)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     generator = torch.Generator().manual_seed(rank)
@@ -137,10 +144,10 @@ def rank_main(rank: int, world: int, port: int, args, out_path: str):
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         results = {}
-        for label, kind, spec in HOOKS:
+        for label, kind, spec, bucket_cap_mb in HOOKS:
             if args.hooks and label not in args.hooks and (spec or kind) not in args.hooks:
                 continue
-            result = measure(rank, world, kind, spec, args)
+            result = measure(rank, world, kind, spec, bucket_cap_mb, args)
             worst = torch.tensor([result["median_s"], result["min_s"], result["max_s"]], dtype=torch.float64)
             dist.all_reduce(worst, op=dist.ReduceOp.MAX)  # the step is as slow as its slowest rank
             result["median_s"], result["min_s"], result["max_s"] = worst.tolist()

@@ -65,13 +65,13 @@ def test_network_tiny_mode(tmp_path):
     links = {row["link"] for row in report["rows"]}
     assert links == ({"1gbit"} if os.geteuid() == 0 else {"unshaped loopback"}), out
     rows = {row["hook"]: row for row in report["rows"]}
-    assert set(rows) == {"allreduce (plain DDP)", "no communication (limit)", "torch powerSGD_hook rank 2",
-                         "gradcomp topk:ratio=0.01", "gradcomp powersgd:rank=2"}
+    assert set(rows) == {"allreduce (plain DDP)", "no communication (limit)", "torch powerSGD_hook rank 2, one bucket",
+                         "gradcomp topk:ratio=0.01", "gradcomp powersgd:rank=2", "gradcomp powersgd:rank=2, one bucket"}
     assert rows["no communication (limit)"]["vs_limit"] == 1.0
     for row in rows.values():
         assert row["median_ms"] > 0 and row["min_ms"] <= row["median_ms"] <= row["max_ms"]
     assert 0 < rows["gradcomp topk:ratio=0.01"]["wire_mb_per_step"] < report["gradient_bytes"] / 1e6 / 10
-    assert (tmp_path / "network_tiny.csv").read_text().count("\n") == 6
+    assert (tmp_path / "network_tiny.csv").read_text().count("\n") == 7
     assert (tmp_path / "network_tiny.png").read_bytes()[:8] == PNG_MAGIC
 
 
