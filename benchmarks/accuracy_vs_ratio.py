@@ -20,13 +20,10 @@ the JSON holding every run and the per-configuration mean and spread over seeds.
 from __future__ import annotations
 
 import argparse
-import csv
 import gzip
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 
@@ -37,8 +34,9 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "examples"))
+sys.path[:0] = [os.path.join(ROOT, "examples"), os.path.join(ROOT, "benchmarks")]
 import train_ddp as main_job  # noqa: E402 - the main job's model, data and recipe
+from bench_common import machine, write_results  # noqa: E402
 
 import gradcomp  # noqa: E402
 
@@ -210,18 +208,6 @@ def plot(rows: list[dict], path: str) -> None:
     plt.close(fig)
 
 
-def machine() -> dict:
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor()) if os.path.exists("/proc/cpuinfo") else platform.processor()
-    try:
-        commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True).stdout.strip()
-    except OSError:
-        commit = ""
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
-            "gradcomp": gradcomp.__version__, "commit": commit, "date": time.strftime("%Y-%m-%d")}
-
-
 def merged_with_earlier(path: str, runs: list[dict]) -> list[dict]:
     """This invocation's runs plus the earlier results in path that it did not redo (another data set,
     spec or seed), so a long sweep can be run a data set at a time."""
@@ -303,12 +289,7 @@ def main(argv=None) -> None:
         row["world"] = world
     report = {"machine": machine(), "world_size": world, "backend": backend, "seconds": time.time() - started,
               "args": {k: v for k, v in vars(args).items() if k != "out"}, "summary": rows, "runs": runs}
-    with open(stem + ".json", "w") as f:
-        json.dump(report, f, indent=1)
-    with open(stem + ".csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_results(stem, report, rows)
     plot(rows, stem + ".png")
     print(f"\n{'data set':8s} {'spec':32s} {'accuracy':>16s} {'ratio':>8s}")
     for row in rows:

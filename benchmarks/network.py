@@ -22,10 +22,8 @@ Results: network[_tiny].{json,csv,png} in --out.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -41,6 +39,9 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel
 
 import gradcomp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import machine, write_results  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 POWERSGD_RANK = 2
@@ -256,16 +257,6 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     plt.close(fig)
 
 
-def machine() -> dict:
-    cpu = platform.processor()
-    if os.path.exists("/proc/cpuinfo"):
-        cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-                   cpu)
-    commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
-            "gradcomp": gradcomp.__version__, "commit": commit.strip(), "date": time.strftime("%Y-%m-%d")}
-
-
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rates", nargs="+", default=RATES, help="tc rates of the shaped links (default: 1gbit 10gbit)")
@@ -317,12 +308,7 @@ def main(argv=None) -> int:
               "gradient_bytes": 4 * parameters, "world_size": args.nprocs, "batch_per_rank": args.batch,
               "steps": args.steps, "warmup": args.warmup, "threads": args.threads,
               "seconds": time.time() - started, "rows": rows, "results": results}
-    with open(stem + ".json", "w") as f:
-        json.dump(report, f, indent=1)
-    with open(stem + ".csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_results(stem, report, rows)
     plot(rows, stem + ".png", f"DDP step time, ResNet-18 ({4 * parameters / 1e6:.0f} MB gradient), "
                               f"{args.nprocs} ranks, gloo on a shaped loopback")
     print(f"\n{'link':18s} {'hook':36s} {'median ms':>10s} {'vs limit':>9s} {'MB/step':>8s}")

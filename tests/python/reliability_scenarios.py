@@ -157,7 +157,7 @@ def memory(rank, world, specs, steps):
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         held, live = [], {}
 
-        def record(step):
+        def record(step, state=state):
             held.append(state.memory_bytes())
             if step in (10, steps - 1):
                 gc.collect()

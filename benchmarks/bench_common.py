@@ -1,0 +1,41 @@
+"""What the benchmark scripts share: the machine a result came from, and writing JSON and CSV."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import platform
+import subprocess
+import time
+
+import torch
+
+import gradcomp
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def machine() -> dict:
+    """CPU, cores, versions, commit and date: recorded with every committed result."""
+    cpu = platform.processor()
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    try:
+        commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True).stdout.strip()
+    except OSError:
+        commit = ""
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
+            "gradcomp": gradcomp.__version__, "commit": commit, "date": time.strftime("%Y-%m-%d")}
+
+
+def write_results(stem: str, report: dict, rows: list[dict]) -> None:
+    """stem.json (the whole report) and stem.csv (one line per row)."""
+    with open(stem + ".json", "w") as f:
+        json.dump(report, f, indent=1)
+    with open(stem + ".csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
