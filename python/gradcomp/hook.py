@@ -211,9 +211,7 @@ class _Step:
         return future.then(check)
 
     def _failure(self, what: str, error: BaseException) -> RuntimeError:
-        return RuntimeError(f"gradcomp: the {what} of step {self.step} failed on rank {self.rank} of {self.world} "
-                            f"(a rank that died, stalled past the process group's timeout or left the group "
-                            f"ends every rank's step this way): {error}")
+        return collective_failure(what, self.step, self.rank, self.world, error)
 
     @staticmethod
     def new_future(device: torch.device) -> torch.futures.Future:
@@ -231,6 +229,13 @@ class _Step:
                     result.set_exception(error)
 
         future.add_done_callback(guarded)
+
+
+def collective_failure(what: str, step: int, rank: int, world: int, error: BaseException) -> RuntimeError:
+    """The error every gradcomp collective ends with when it fails: what failed, where, and the likely why."""
+    return RuntimeError(f"gradcomp: the {what} of step {step} failed on rank {rank} of {world} (a rank that died, "
+                        f"stalled past the process group's timeout or left the group ends every rank's step this "
+                        f"way): {error}")
 
 
 def _empty_stats() -> dict[str, float]:
@@ -296,9 +301,8 @@ class CompressionState:
         try:
             dist.all_gather_object(everyone, mine, group=group)
         except Exception as error:
-            raise RuntimeError(f"gradcomp: the ranks could not compare their configuration at step {self.iter} "
-                               f"(a rank died, stalled past the process group's timeout or left the group): "
-                               f"{error}") from error
+            raise collective_failure("comparison of the ranks' configuration", self.iter, dist.get_rank(group),
+                                     len(everyone), error) from error
         if len(set(everyone)) > 1:
             listing = "\n".join(f"  rank {r}: {c}" for r, c in enumerate(everyone))
             raise RuntimeError(f"gradcomp: the ranks are configured differently; every rank must register the same "
@@ -315,11 +319,9 @@ class CompressionState:
             step = _Step(group, dist.get_world_size(group), dist.get_rank(group), self.iter, self._current,
                          self._total, self._sequencer, _STATS_LOCK)
             buffer = bucket.buffer()
-            raw_bytes = buffer.numel() * buffer.element_size()
-            step.add("raw_bytes", raw_bytes)
+            step.add("raw_bytes", buffer.numel() * buffer.element_size())
             step.add("buckets", 1)
             if self.iter < self.start_iter or not self._compressible(buffer):
-                step.add("wire_bytes", raw_bytes)
                 future = self._plain(step, buffer)
             else:
                 future = self._compressed(step, bucket, buffer)
@@ -352,6 +354,7 @@ class CompressionState:
 
     @staticmethod
     def _plain(step: _Step, tensor: torch.Tensor) -> torch.futures.Future:
+        step.add("wire_bytes", tensor.numel() * tensor.element_size())
         tensor.div_(step.world)
         return step.allreduce(tensor).then(lambda done: done.value()[0])
 
@@ -359,7 +362,6 @@ class CompressionState:
         """Some rank's bucket holds a NaN or Inf: the codec and its state are left out of this step."""
         step.add("nonfinite_buckets", 1)
         if self.nonfinite == "allreduce":
-            step.add("wire_bytes", flat.numel() * flat.element_size())
             return self._plain(step, flat)
         flat.fill_(float("nan"))
         done = step.new_future(flat.device)
@@ -380,7 +382,6 @@ class CompressionState:
     def _launch(self, step: _Step, plan, flat: torch.Tensor, views) -> torch.futures.Future:
         raw_bytes = flat.numel() * flat.element_size()
         if raw_bytes <= plan.wire_bytes * self.min_bucket_ratio:
-            step.add("wire_bytes", raw_bytes)
             return self._plain(step, flat)  # too small to gain from compression
         step.add("wire_bytes", 4)  # the agreement on NaN and Inf
         if not step.all_finite(flat):
