@@ -40,8 +40,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 import gradcomp
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)),
+                os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")]
 from bench_common import machine, write_results  # noqa: E402
+from train_ddp import find_free_port  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 POWERSGD_RANK = 2
@@ -164,11 +166,7 @@ def rank_main(rank: int, world: int, port: int, args, out_path: str):
 
 def worker(args) -> None:
     """Runs every hook on args.nprocs local ranks (on whatever loopback this process sees)."""
-    import socket
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    mp.spawn(rank_main, args=(args.nprocs, port, args, args.worker_out), nprocs=args.nprocs, join=True)
+    mp.spawn(rank_main, args=(args.nprocs, find_free_port(), args, args.worker_out), nprocs=args.nprocs, join=True)
 
 
 # -- the shaped link ---------------------------------------------------------------------------------------------------
