@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Runs the whole test suite: the GoogleTest suite of the torch-free kernels (ctest; also on emulated
 # older CPUs, and again under AddressSanitizer and UndefinedBehaviorSanitizer), a bounded run of the
-# decoder fuzzers (tools/fuzz.sh), then pytest against the installed gradcomp. Every part runs even
-# when an earlier one failed; exits non-zero if any failed, found a sanitizer error, or ran no test.
+# decoder fuzzers (tools/fuzz.sh), pytest against the installed gradcomp, then a build with the CUDA
+# codecs against the CUDA build of torch, and its tests (tools/cuda_build_check.sh). Every part runs
+# even when an earlier one failed; exits non-zero if any failed, found a sanitizer error, or ran no test.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -66,6 +67,7 @@ stage "C++ kernels on emulated older CPUs" emulated_cpus
 stage "C++ kernels under AddressSanitizer and UndefinedBehaviorSanitizer" sanitized_kernel_tests
 stage "Decoder fuzzers (libFuzzer with ASan and UBSan)" bash tools/fuzz.sh
 stage "Python (pytest)" python_tests "$@"
+stage "CUDA build: compiled and linked here, its tests run (GPU tests where a GPU is)" bash tools/cuda_build_check.sh
 
 if [ ${#failed[@]} -gt 0 ]; then
   printf 'FAILED: %s\n' "${failed[@]}" >&2

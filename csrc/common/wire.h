@@ -95,6 +95,14 @@ GC_HD BodyLayout body_layout(const PayloadHeader& h) {
   return l;
 }
 
+// What a device-side check of payloads can find; CUDA decodes OR these bits into a status word,
+// which the host reads when it chooses (the CPU path raises at once instead).
+enum DecodeProblem : uint32_t {
+  kHeaderNotExpected = 1,  // not a gradcomp payload, or another codec, dtype, size or parameters
+  kHeadersDiffer = 2,      // a payload's random key (seed, step, bucket) differs from payload 0's
+  kIndexInvalid = 4,       // a topk index out of range or not strictly ascending
+};
+
 constexpr const char* kCodecNames[kNumCodecs] = {"none", "fp16", "bf16", "signsgd", "terngrad", "qsgd", "topk", "randomk"};
 constexpr const char* kValidCodecNames = "none, fp16, bf16, signsgd, terngrad, qsgd, topk, randomk";
 

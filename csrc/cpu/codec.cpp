@@ -136,6 +136,19 @@ std::string validate_payloads(const uint8_t* payloads, int64_t count, int64_t st
   return "";
 }
 
+std::string describe_decode_problems(uint32_t problems) {
+  std::string text;
+  const auto add = [&](uint32_t bit, const char* what) {
+    if (problems & bit) text += (text.empty() ? "" : "; ") + std::string(what);
+  };
+  add(kHeaderNotExpected, "a payload header is not the expected one (not a gradcomp payload, or another codec, "
+                          "dtype, element count or parameters)");
+  add(kHeadersDiffer, "the payloads carry different random keys (seed, step or bucket)");
+  add(kIndexInvalid, "a topk index is out of range or not strictly ascending");
+  if (problems & ~uint32_t{kHeaderNotExpected | kHeadersDiffer | kIndexInvalid}) add(problems, "unknown problem bits");
+  return text.empty() ? "no problem" : text;
+}
+
 void decode_sum_cpu(const DecodeArgs& args) {
   PayloadHeader h;
   std::memcpy(&h, args.payloads, sizeof h);

@@ -51,6 +51,9 @@ std::string validate_payloads(const uint8_t* payloads, int64_t count, int64_t st
 
 void decode_sum_cpu(const DecodeArgs& args);
 
+// What the DecodeProblem bits (common/wire.h) of a device-side check mean, in words.
+std::string describe_decode_problems(uint32_t problems);
+
 // Orthonormalizes the columns of a row-major rows x cols fp32 matrix in place (Gram-Schmidt with
 // re-orthogonalization); a column whose norm after the projections falls below eps, or below
 // 2^-16 of its original norm (it depended on the earlier columns), becomes zero.

@@ -26,6 +26,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("payload_nbytes", &payload_nbytes, py::arg("codec"), py::arg("dtype"), py::arg("numel"),
         py::arg("param0") = 0, py::arg("param1") = 0);
   m.def("cpu_isa", &cpu_isa, "The CPU codec variant in use: avx512, avx2 or base");
+  m.def("describe_decode_problems", &describe_decode_problems,
+        "What the problem bits of a CUDA decode's status word mean, in words");
   m.attr("header_bytes") = kHeaderBytes;
   m.attr("payload_align") = kPayloadAlign;
   m.attr("format_version") = kFormatVersion;

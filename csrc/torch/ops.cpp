@@ -1,11 +1,21 @@
-// The torch bridge: op schemas and their CPU implementations. The only file that touches
-// at::Tensor; everything below it works on raw pointers (csrc/cpu, cuda/).
+// The torch bridge: op schemas and their CPU and CUDA implementations. The only file that touches
+// at::Tensor; everything below it works on raw pointers (csrc/cpu, cuda/). CUDA work goes on the
+// current stream of the tensors' device, with no host-device synchronisation except where a
+// caller asks decode_sum to check the payloads there and then (no status tensor given).
 #include <ATen/ATen.h>
 #include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include "../cpu/kernels.h"
+
+#ifdef GRADCOMP_CUDA_KERNELS
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "../../cuda/codecs.h"
+#endif
 
 namespace gradcomp {
 namespace {
@@ -45,6 +55,37 @@ void check_header(const PayloadHeader& h, c10::string_view codec) {
                     " (numel=", h.numel, ", param0=", h.param0, ", param1=", h.param1, ")");
 }
 
+void check_cuda_built(const at::Tensor& t) {
+#ifndef GRADCOMP_CUDA_KERNELS
+  TORCH_CHECK_VALUE(false, "gradcomp: this build has no CUDA codecs, and the tensor is on ", t.device(),
+                    ". Rebuild gradcomp where the CUDA toolkit and a CUDA build of torch are installed "
+                    "(GRADCOMP_CUDA=ON makes that a requirement), or pass CPU tensors.");
+#else
+  (void)t;
+#endif
+}
+
+#ifdef GRADCOMP_CUDA_KERNELS
+at::Tensor device_workspace(size_t bytes, const at::Tensor& like) {
+  return at::empty({static_cast<int64_t>(std::max<size_t>(bytes, 1))}, like.options().dtype(at::kByte));
+}
+
+void encode_cuda(const EncodeArgs& args, const at::Tensor& grad) {
+  const c10::cuda::CUDAGuard guard(grad.device());
+  const at::Tensor workspace = device_workspace(cuda::encode_workspace_bytes(args.header), grad);
+  cuda::EncodeParams p;
+  p.header = args.header;
+  p.rank = args.rank;
+  p.grad = args.grad;
+  p.residual = args.residual;
+  p.payload = args.payload;
+  p.workspace = workspace.data_ptr();
+  C10_CUDA_CHECK(cuda::encode(p, c10::cuda::getCurrentCUDAStream(grad.device().index())));
+}
+#else
+void encode_cuda(const EncodeArgs&, const at::Tensor& grad) { check_cuda_built(grad); }
+#endif
+
 at::Tensor encode(const at::Tensor& grad_in, const std::optional<at::Tensor>& residual,
                   c10::string_view codec, int64_t param0, int64_t param1, int64_t seed,
                   int64_t step, int64_t bucket, int64_t rank) {
@@ -71,12 +112,74 @@ at::Tensor encode(const at::Tensor& grad_in, const std::optional<at::Tensor>& re
   }
   at::Tensor payload = at::empty({body_layout(args.header).total}, grad.options().dtype(at::kByte));
   args.payload = payload.data_ptr<uint8_t>();
+  if (grad.is_cuda()) {
+    encode_cuda(args, grad);
+    return payload;
+  }
   args.parallel_for = torch_parallel_for;
   encode_cpu(args);
   return payload;
 }
 
-void decode_sum(const at::Tensor& payloads, at::Tensor& out, double alpha, bool vote) {
+#ifdef GRADCOMP_CUDA_KERNELS
+// The payloads stay on the device: the host knows their layout from codec= and its parameters, and
+// the device checks every header against it. With a status tensor, the problems found are OR-ed
+// into it for the caller to read when it chooses; without one, they are read here (a sync) and raised.
+void decode_cuda(const at::Tensor& stacked, at::Tensor& out, double alpha, bool vote,
+                 std::optional<c10::string_view> codec, int64_t param0, int64_t param1,
+                 const std::optional<at::Tensor>& status) {
+  TORCH_CHECK_VALUE(codec.has_value(), "gradcomp: decoding payloads on ", out.device(),
+                    " needs codec= and its parameters (the headers stay on the device); "
+                    "gradcomp.codec(spec).decode_sum passes them");
+  const PayloadHeader expected =
+      make_header(codec_named(*codec), wire_dtype(out, "out"), out.numel(), param0, param1, RandomKey{});
+  check_header(expected, *codec);
+  TORCH_CHECK_VALUE(stacked.size(0) >= 1, "gradcomp: cannot decode: no payloads to decode");
+  const int64_t expected_bytes = body_layout(expected).total;
+  TORCH_CHECK_VALUE(stacked.size(1) == expected_bytes, "gradcomp: cannot decode: payloads of ", stacked.size(1),
+                    " bytes, but ", *codec, " (param0=", param0, ", param1=", param1, ") makes ", expected_bytes,
+                    " bytes for ", out.numel(), " elements of ", out.scalar_type());
+  TORCH_CHECK_VALUE(!vote || static_cast<Codec>(expected.codec) == Codec::SignSGD,
+                    "gradcomp: vote=True applies to signsgd payloads only, not ", *codec);
+  const c10::cuda::CUDAGuard guard(out.device());
+  at::Tensor problems = status.has_value() ? *status : at::zeros({1}, out.options().dtype(at::kInt));
+  TORCH_CHECK_VALUE(problems.device() == out.device() && problems.scalar_type() == at::kInt &&
+                        problems.numel() == 1 && problems.is_contiguous(),
+                    "gradcomp: status must be one int32 element on ", out.device(), ", got ", problems.scalar_type(),
+                    "[", problems.numel(), "] on ", problems.device());
+  const at::Tensor workspace = device_workspace(cuda::decode_workspace_bytes(expected, stacked.size(0)), out);
+  cuda::DecodeParams p;
+  p.expected = expected;
+  p.payloads = stacked.data_ptr<uint8_t>();
+  p.count = stacked.size(0);
+  p.out = out.data_ptr();
+  p.alpha = static_cast<float>(alpha);
+  p.vote = vote;
+  p.status = reinterpret_cast<uint32_t*>(problems.data_ptr<int32_t>());
+  p.workspace = workspace.data_ptr();
+  C10_CUDA_CHECK(cuda::decode_sum(p, c10::cuda::getCurrentCUDAStream(out.device().index())));
+  if (!status.has_value()) {
+    const auto found = static_cast<uint32_t>(problems.item<int32_t>());
+    TORCH_CHECK_VALUE(found == 0, "gradcomp: cannot decode: ", describe_decode_problems(found),
+                      " (the output was set to NaN)");
+  }
+}
+#endif
+
+// On the CPU, codec= (when given) must match what the headers say.
+void check_expected_codec(const PayloadHeader& h, std::optional<c10::string_view> codec, int64_t param0,
+                          int64_t param1) {
+  if (!codec.has_value()) return;
+  const Codec id = codec_named(*codec);
+  TORCH_CHECK_VALUE(h.codec == static_cast<uint8_t>(id) && h.param0 == param0 && h.param1 == param1,
+                    "gradcomp: cannot decode: the payloads are ", kCodecNames[h.codec], " (param0=", h.param0,
+                    ", param1=", h.param1, ") but codec=", *codec, " (param0=", param0, ", param1=", param1,
+                    ") was expected");
+}
+
+void decode_sum(const at::Tensor& payloads, at::Tensor& out, double alpha, bool vote,
+                std::optional<c10::string_view> codec, int64_t param0, int64_t param1,
+                const std::optional<at::Tensor>& status) {
   TORCH_CHECK_VALUE(payloads.scalar_type() == at::kByte, "gradcomp: payloads must be uint8, got ",
                     payloads.scalar_type());
   TORCH_CHECK_VALUE(payloads.dim() == 1 || payloads.dim() == 2,
@@ -87,6 +190,16 @@ void decode_sum(const at::Tensor& payloads, at::Tensor& out, double alpha, bool 
   const at::Tensor stacked = (payloads.dim() == 1 ? payloads.unsqueeze(0) : payloads).contiguous();
   TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(stacked.data_ptr()) % kPayloadAlign == 0,
                     "gradcomp: payloads must start on a ", kPayloadAlign, "-byte boundary");
+  TORCH_CHECK_VALUE(out.is_contiguous(), "gradcomp: out must be contiguous (it is written in place)");
+  TORCH_CHECK_VALUE(at::get_overlap_status(out, stacked) == at::MemOverlapStatus::No,
+                    "gradcomp: out must not share memory with the payloads");
+  if (out.is_cuda()) {
+    check_cuda_built(out);
+#ifdef GRADCOMP_CUDA_KERNELS
+    decode_cuda(stacked, out, alpha, vote, codec, param0, param1, status);
+#endif
+    return;
+  }
   DecodeArgs args;
   args.payloads = stacked.data_ptr<uint8_t>();
   args.count = stacked.size(0);
@@ -96,9 +209,7 @@ void decode_sum(const at::Tensor& payloads, at::Tensor& out, double alpha, bool 
   TORCH_CHECK_VALUE(problem.empty(), "gradcomp: cannot decode: ", problem);
   PayloadHeader h;
   std::memcpy(&h, args.payloads, sizeof h);
-  TORCH_CHECK_VALUE(out.is_contiguous(), "gradcomp: out must be contiguous (it is written in place)");
-  TORCH_CHECK_VALUE(at::get_overlap_status(out, stacked) == at::MemOverlapStatus::No,
-                    "gradcomp: out must not share memory with the payloads");
+  check_expected_codec(h, codec, param0, param1);
   TORCH_CHECK_VALUE(!vote || static_cast<Codec>(h.codec) == Codec::SignSGD,
                     "gradcomp: vote=True applies to signsgd payloads only, not ", kCodecNames[h.codec]);
   args.out = out.data_ptr();
@@ -118,6 +229,16 @@ void orthogonalize_(at::Tensor& matrix, double eps) {
   const int64_t rows = matrix.size(-2), cols = matrix.size(-1);
   const int64_t batch = matrix.dim() == 3 ? matrix.size(0) : 1;
   float* data = matrix.data_ptr<float>();
+  if (matrix.is_cuda()) {
+    check_cuda_built(matrix);
+#ifdef GRADCOMP_CUDA_KERNELS
+    TORCH_CHECK_VALUE(cols <= 3072, "gradcomp: orthogonalize_ on CUDA takes at most 3072 columns, got ", cols);
+    const c10::cuda::CUDAGuard guard(matrix.device());
+    C10_CUDA_CHECK(cuda::orthogonalize(data, batch, rows, cols, static_cast<float>(eps),
+                                       c10::cuda::getCurrentCUDAStream(matrix.device().index())));
+#endif
+    return;
+  }
   for (int64_t b = 0; b < batch; ++b) orthogonalize_cpu(data + b * rows * cols, rows, cols, static_cast<float>(eps));
 }
 
@@ -126,11 +247,20 @@ void orthogonalize_(at::Tensor& matrix, double eps) {
 TORCH_LIBRARY(gradcomp, m) {
   m.def("encode(Tensor grad, Tensor(a!)? residual, str codec, int param0=0, int param1=0, int seed=0, "
         "int step=0, int bucket=0, int rank=0) -> Tensor");
-  m.def("decode_sum(Tensor payloads, Tensor(a!) out, float alpha=1.0, bool vote=False) -> ()");
+  m.def("decode_sum(Tensor payloads, Tensor(a!) out, float alpha=1.0, bool vote=False, str? codec=None, "
+        "int param0=0, int param1=0, Tensor(b!)? status=None) -> ()");
   m.def("orthogonalize_(Tensor(a!) matrix, float eps=0.0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(gradcomp, CPU, m) {
+  m.impl("encode", &encode);
+  m.impl("decode_sum", &decode_sum);
+  m.impl("orthogonalize_", &orthogonalize_);
+}
+
+// Registered in every build: without the CUDA codecs, CUDA tensors get a clear error, not a
+// missing-kernel one.
+TORCH_LIBRARY_IMPL(gradcomp, CUDA, m) {
   m.impl("encode", &encode);
   m.impl("decode_sum", &decode_sum);
   m.impl("orthogonalize_", &orthogonalize_);

@@ -18,7 +18,7 @@ def _encode_fake(grad, residual, codec, param0=0, param1=0, seed=0, step=0, buck
 
 
 @torch.library.register_fake("gradcomp::decode_sum")
-def _decode_sum_fake(payloads, out, alpha=1.0, vote=False):
+def _decode_sum_fake(payloads, out, alpha=1.0, vote=False, codec=None, param0=0, param1=0, status=None):
     return None
 
 

@@ -144,6 +144,7 @@ class PayloadCodec(Codec):
     """A codec that speaks the wire format through torch.ops.gradcomp.encode / decode_sum."""
 
     seed = 0
+    vote = False
 
     def wire_params(self, numel: int) -> tuple[int, int]:
         return 0, 0
@@ -160,9 +161,17 @@ class PayloadCodec(Codec):
         p0, p1 = self.wire_params(grad.numel())
         return torch.ops.gradcomp.encode(grad, residual, self.name, p0, p1, self.seed, step, bucket, rank)
 
-    def decode_sum(self, payloads: torch.Tensor, out: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
-        """out = alpha * sum of the decoded payloads ([count, bytes] or one [bytes]); returns out."""
-        torch.ops.gradcomp.decode_sum(payloads, out, alpha, False)
+    def decode_sum(self, payloads: torch.Tensor, out: torch.Tensor, alpha: float = 1.0, *,
+                   status: torch.Tensor | None = None) -> torch.Tensor:
+        """out = alpha * sum of the decoded payloads ([count, bytes] or one [bytes]); returns out.
+
+        The payloads must be this codec's, with its parameters. On the CPU a malformed payload
+        raises at once. On CUDA the payloads are checked on the device: without status that check is
+        read here (one host-device sync) and raises; with status (one int32 on out's device) its
+        problem bits are OR-ed into status for the caller to read when it chooses, and out becomes NaN.
+        """
+        p0, p1 = self.wire_params(out.numel())
+        torch.ops.gradcomp.decode_sum(payloads, out, alpha, self.vote, self.name, p0, p1, status)
         return out
 
     def summable_view(self, payload: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -209,10 +218,6 @@ class SignSGD(PayloadCodec):
             raise ValueError(f"signsgd: vote must be True or False, got {vote!r}")
         super().__init__(error_feedback, vote=vote)
         self.vote = vote
-
-    def decode_sum(self, payloads, out, alpha=1.0):
-        torch.ops.gradcomp.decode_sum(payloads, out, alpha, self.vote)
-        return out
 
 
 @_register("terngrad", {"seed": 0, "error_feedback": False},

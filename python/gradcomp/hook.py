@@ -82,7 +82,7 @@ class PayloadBucket:
         def decode(done):
             started = time.perf_counter()
             done.value()
-            codec.decode_sum(received, flat, alpha)
+            codec.decode_sum(received, flat, alpha, status=step.decode_status)
             step.add("decode_s", time.perf_counter() - started)
             return flat
 
@@ -169,11 +169,12 @@ class _Sequencer:
 class _Step:
     """What a bucket needs for one step: the group, this rank, the step, its stats and collectives."""
 
-    __slots__ = ("group", "world", "rank", "step", "record", "total", "sequencer", "stats_lock")
+    __slots__ = ("group", "world", "rank", "step", "record", "total", "sequencer", "stats_lock", "decode_status")
 
     def __init__(self, group, world, rank, step, record, total, sequencer, stats_lock):
         self.group, self.world, self.rank, self.step, self.record, self.total = group, world, rank, step, record, total
         self.sequencer, self.stats_lock = sequencer, stats_lock
+        self.decode_status = None  # CUDA: the step's device status word for the payload checks
 
     def add(self, key: str, value: float) -> None:
         with self.stats_lock:  # callbacks add from the collectives' threads
@@ -238,6 +239,46 @@ def collective_failure(what: str, step: int, rank: int, world: int, error: BaseE
                         f"way): {error}")
 
 
+class _DecodeChecks:
+    """CUDA decodes check the payloads on the device and OR what they find into one status word per
+    step and device (the bucket becomes NaN). The hook reads those words back without waiting: at
+    each step it copies the earlier steps' words to pinned memory behind an event, and raises for
+    any whose copy has landed with a problem in it. A bad payload surfaces one or two steps later,
+    with no host-device sync in the hook."""
+
+    __slots__ = ("_words", "_copies")
+
+    def __init__(self):
+        self._words: dict[tuple[int, torch.device], torch.Tensor] = {}  # (step, device) -> status word
+        self._copies: list[tuple[int, torch.Tensor, Any]] = []           # (step, pinned copy, event)
+
+    def word(self, step: int, device: torch.device) -> torch.Tensor | None:
+        if device.type != "cuda":
+            return None  # the CPU path raises at once
+        key = (step, device)
+        if key not in self._words:
+            self._words[key] = torch.zeros(1, dtype=torch.int32, device=device)
+        return self._words[key]
+
+    def poll(self, current_step: int) -> None:
+        """Starts the read-back of the words of finished steps, and raises for any landed one that is not 0."""
+        for key in [k for k in self._words if k[0] < current_step]:
+            word = self._words.pop(key)
+            with torch.cuda.device(word.device):
+                copy = torch.empty(1, dtype=torch.int32, pin_memory=True)
+                copy.copy_(word, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record()
+            self._copies.append((key[0], copy, event))
+        landed = [c for c in self._copies if c[2].query()]
+        self._copies = [c for c in self._copies if all(c is not d for d in landed)]
+        for step, copy, _ in landed:
+            if int(copy.item()) != 0:  # a pinned host tensor: no sync
+                raise RuntimeError(f"gradcomp: malformed payloads in step {step}: "
+                                   f"{_ops._C.describe_decode_problems(int(copy.item()))}; their buckets were "
+                                   f"set to NaN (ranks with another gradcomp build, codec or memory corruption)")
+
+
 def _empty_stats() -> dict[str, float]:
     return dict.fromkeys(STATS_KEYS, 0)
 
@@ -250,7 +291,8 @@ class CompressionState:
     """
 
     __slots__ = ("process_group", "codec", "start_iter", "min_bucket_ratio", "nonfinite", "log_every", "iter",
-                 "_plans", "_pool", "_param_keys", "_verified", "_total", "_last", "_current", "_warned", "_sequencer")
+                 "_plans", "_pool", "_param_keys", "_verified", "_total", "_last", "_current", "_warned", "_sequencer",
+                 "_checks")
 
     def __init__(self, spec: str = "topk", *, process_group: dist.ProcessGroup | None = None, start_iter: int = 2,
                  min_bucket_ratio: float = 1.0, nonfinite: str = "allreduce", log_every: int = 0,
@@ -277,6 +319,7 @@ class CompressionState:
         self._total, self._last, self._current = _empty_stats(), _empty_stats(), _empty_stats()
         self._warned: set[str] = set()
         self._sequencer = _Sequencer()
+        self._checks = _DecodeChecks()
 
     # -- configuration ---------------------------------------------------------------------------------------------
 
@@ -315,6 +358,7 @@ class CompressionState:
         try:
             if not self._verified:
                 self._verify()
+            self._checks.poll(self.iter)
             group = self._group()
             step = _Step(group, dist.get_world_size(group), dist.get_rank(group), self.iter, self._current,
                          self._total, self._sequencer, _STATS_LOCK)
@@ -390,6 +434,7 @@ class CompressionState:
             plan.to(flat.device)
         step.add("wire_bytes", plan.wire_bytes)
         step.add("compressed_buckets", 1)
+        step.decode_status = self._checks.word(step.step, flat.device)
         return plan.launch(step, flat, views)
 
     def _saved_buckets_covering(self, keys, views, dtype) -> list:
@@ -512,10 +557,11 @@ class CompressionState:
         self._verified = False  # the ranks compare their steps again
 
     def __getstate__(self):
-        return {name: getattr(self, name) for name in self.__slots__ if name not in ("process_group", "_sequencer")}
+        return {name: getattr(self, name) for name in self.__slots__
+                if name not in ("process_group", "_sequencer", "_checks")}
 
     def __setstate__(self, state):
-        self.process_group, self._sequencer = None, _Sequencer()
+        self.process_group, self._sequencer, self._checks = None, _Sequencer(), _DecodeChecks()
         for name, value in state.items():
             setattr(self, name, value)
 

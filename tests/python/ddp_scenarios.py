@@ -64,12 +64,15 @@ def wrap(model: nn.Module, **ddp_kwargs) -> DDP:
     return DDP(model, bucket_cap_mb=ddp_kwargs.pop("bucket_cap_mb", BUCKET_CAP_MB), **ddp_kwargs)
 
 
-def train(ddp: DDP, optimizer, steps, rank, *, first_step=0, accumulate=1, record=None, seed=0, dtype=None):
+def train(ddp: DDP, optimizer, steps, rank, *, first_step=0, accumulate=1, record=None, seed=0, dtype=None,
+          device=None):
     """Runs steps; record(step) is called after each backward (gradients synchronized)."""
     losses = []
     for step in range(first_step, first_step + steps):
         for micro in range(accumulate):
             x, y = batch(step, micro, rank, seed)
+            if device is not None:
+                x, y = x.to(device), y.to(device)
             if dtype is not None:
                 x = x.to(dtype)
             sync = contextlib.nullcontext() if micro == accumulate - 1 else ddp.no_sync()
@@ -161,6 +164,27 @@ def training(rank, world, specs, steps):
         optimizer = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
         losses = train(ddp, optimizer, steps, rank)
         results[spec] = {"losses": losses, "records": records, "stats": state.stats(), "start_iter": state.start_iter}
+    return results
+
+
+GPU_LOSSLESS = ["none", "topk:ratio=1", "fp16"]
+GPU_SPECS = GPU_LOSSLESS + ["signsgd", "terngrad", "qsgd", "topk:ratio=0.05", "randomk:ratio=0.1", "powersgd:rank=2"]
+
+
+def on_gpu(rank, world, specs, steps):
+    """Both ranks on cuda:0 over gloo: plain DDP, then each spec compressing every bucket from step 0.
+    Per configuration: the losses, the synchronized gradients of every step (on the CPU), the stats."""
+    device = torch.device("cuda", 0)
+    results = {}
+    for name in ["plain", *specs]:
+        model = make_model().to(device)
+        ddp = DDP(model, device_ids=[0], bucket_cap_mb=BUCKET_CAP_MB)
+        state = None if name == "plain" else gradcomp.register(ddp, name, start_iter=0, min_bucket_ratio=0)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        grads = []
+        losses = train(ddp, optimizer, steps, rank, device=device,
+                       record=lambda _: grads.append(torch.cat([g.reshape(-1).cpu() for g in gradients(model)])))
+        results[name] = {"losses": losses, "grads": grads, "stats": state.stats() if state else None}
     return results
 
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch.library import opcheck
 
-import gradcomp  # noqa: F401  (registers torch.ops.gradcomp)
+import gradcomp
 
 # codec, param0, param1 for a 300-element gradient
 WIRE_CASES = [("none", 0, 0), ("fp16", 0, 0), ("bf16", 0, 0), ("signsgd", 0, 0), ("terngrad", 0, 0),
@@ -26,6 +26,22 @@ def test_decode_sum(codec, param0, param1):
     payloads = torch.stack([torch.ops.gradcomp.encode(torch.randn(300), None, codec, param0, param1, 5, 3, 1, rank)
                             for rank in range(3)])
     opcheck(torch.ops.gradcomp.decode_sum.default, (payloads, torch.empty(300), 1 / 3, False))
+    # With the codec named, as PayloadCodec.decode_sum (and CUDA) calls it; a status the CPU leaves alone.
+    status = torch.zeros(1, dtype=torch.int32)
+    opcheck(torch.ops.gradcomp.decode_sum.default,
+            (payloads, torch.empty(300), 1 / 3, False, codec, param0, param1, status))
+    assert status.item() == 0
+
+
+def test_decode_sum_refuses_payloads_of_another_codec_than_named():
+    payloads = torch.ops.gradcomp.encode(torch.randn(300), None, "qsgd", 15, 64)
+    with pytest.raises(ValueError, match=r"the payloads are qsgd \(param0=15, param1=64\) but codec=qsgd "
+                                         r"\(param0=7, param1=64\) was expected"):
+        torch.ops.gradcomp.decode_sum(payloads, torch.empty(300), 1.0, False, "qsgd", 7, 64)
+    with pytest.raises(ValueError, match="payloads are qsgd .* but codec=topk"):
+        gradcomp.codec("topk:ratio=0.03").decode_sum(payloads, torch.empty(300))
+    with pytest.raises(ValueError, match="unknown codec 'nope'"):
+        torch.ops.gradcomp.decode_sum(payloads, torch.empty(300), 1.0, False, "nope")
 
 
 def test_decode_sum_vote():

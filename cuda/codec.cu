@@ -1,0 +1,96 @@
+// Dispatch of the CUDA codecs, the payload header and padding, and the device-side payload checks.
+#include "device.cuh"
+
+namespace gradcomp::cuda {
+namespace {
+
+using EncodeFn = void (*)(const EncodeParams&, cudaStream_t);
+using DecodeFn = void (*)(const DecodeParams&, cudaStream_t);
+
+constexpr EncodeFn kEncode[kNumCodecs] = {encode_dense,    encode_dense, encode_dense, encode_signsgd,
+                                          encode_terngrad, encode_qsgd,  encode_topk,  encode_randomk};
+constexpr DecodeFn kDecode[kNumCodecs] = {decode_dense,    decode_dense, decode_dense, decode_signsgd,
+                                          decode_terngrad, decode_qsgd,  decode_topk,  decode_randomk};
+
+// The header (by value) and the zero padding after the body.
+__global__ void write_header(PayloadHeader header, uint8_t* payload, int64_t end, int64_t total) {
+  const int t = threadIdx.x;
+  if (t < kHeaderBytes) payload[t] = reinterpret_cast<const uint8_t*>(&header)[t];
+  if (end + t < total) payload[end + t] = 0;
+}
+
+// validate_payloads on the device, one thread per payload: the header must be the expected one,
+// and carry payload 0's random key.
+__global__ void check_headers(const uint8_t* payloads, int64_t count, int64_t stride, PayloadHeader expected,
+                              uint32_t* status) {
+  GC_GRID_LOOP(p, count) {
+    const PayloadHeader& h = *reinterpret_cast<const PayloadHeader*>(payloads + p * stride);
+    const PayloadHeader& first = *reinterpret_cast<const PayloadHeader*>(payloads);
+    uint32_t problems = 0;
+    if (h.magic != kMagic || h.version != kFormatVersion || h.codec != expected.codec || h.dtype != expected.dtype ||
+        h.reserved != 0 || h.numel != expected.numel || h.param0 != expected.param0 || h.param1 != expected.param1)
+      problems |= kHeaderNotExpected;
+    if (h.seed != first.seed || h.step != first.step || h.bucket != first.bucket) problems |= kHeadersDiffer;
+    if (problems) atomicOr(status, problems);
+  }
+}
+
+// validate_topk_indices on the device, one thread per index of every payload.
+__global__ void check_topk_indices(const uint8_t* payloads, int64_t count, int64_t stride, int64_t codes, int64_t k,
+                                   int64_t n, uint32_t* status) {
+  GC_GRID_LOOP(j, count * k) {
+    const int32_t* indices = reinterpret_cast<const int32_t*>(payloads + (j / k) * stride + codes);
+    const int64_t at = j % k;
+    const int32_t index = indices[at];
+    if (index < 0 || index >= n || (at > 0 && index <= indices[at - 1])) atomicOr(status, kIndexInvalid);
+  }
+}
+
+// After a failed check, the whole output becomes NaN.
+template <typename T>
+__global__ void poison_if_invalid(const uint32_t* status, T* out, int64_t n) {
+  if (*status == 0) return;
+  GC_GRID_LOOP(i, n) out[i] = from_float<T>(__int_as_float(0x7FC00000));
+}
+
+}  // namespace
+
+size_t encode_workspace_bytes(const PayloadHeader& h) {
+  switch (static_cast<Codec>(h.codec)) {
+    case Codec::SignSGD: return signsgd_encode_workspace(h);
+    case Codec::TernGrad: return terngrad_encode_workspace(h);
+    case Codec::QSGD: return qsgd_encode_workspace(h);
+    case Codec::TopK: return topk_encode_workspace(h);
+    default: return 0;
+  }
+}
+
+size_t decode_workspace_bytes(const PayloadHeader& h, int64_t count) {
+  return static_cast<Codec>(h.codec) == Codec::TopK ? topk_decode_workspace(h, count) : 0;
+}
+
+cudaError_t encode(const EncodeParams& p, cudaStream_t stream) {
+  const BodyLayout layout = body_layout(p.header);
+  write_header<<<1, 64, 0, stream>>>(p.header, p.payload, layout.end, layout.total);
+  kEncode[p.header.codec](p, stream);
+  return cudaGetLastError();
+}
+
+cudaError_t decode_sum(const DecodeParams& d, cudaStream_t stream) {
+  const PayloadHeader& h = d.expected;
+  const int64_t stride = body_layout(h).total;
+  check_headers<<<blocks_for(d.count), kThreads, 0, stream>>>(d.payloads, d.count, stride, h, d.status);
+  if (static_cast<Codec>(h.codec) == Codec::TopK && h.param0 > 0)
+    check_topk_indices<<<blocks_for(d.count * h.param0), kThreads, 0, stream>>>(
+        d.payloads, d.count, stride, body_layout(h).codes, h.param0, h.numel, d.status);
+  kDecode[h.codec](d, stream);
+  if (h.numel > 0) {
+    visit_element_type(static_cast<DType>(h.dtype), [&](auto* t) {
+      using T = Elem<decltype(t)>;
+      poison_if_invalid<<<blocks_for(h.numel), kThreads, 0, stream>>>(d.status, static_cast<T*>(d.out), h.numel);
+    });
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace gradcomp::cuda

@@ -1,0 +1,103 @@
+// signsgd (see csrc/cpu/signsgd.cpp): the scale is the canonical sum of |m| over the bucket divided
+// by n (two launches, as the CPU sums it), then one pass writes the signs: each warp packs its 32
+// elements with a ballot into one 32-bit word of the bit field, and updates the residual.
+#include "device.cuh"
+
+namespace gradcomp::cuda {
+namespace {
+
+template <typename T, bool kResidual>
+struct AbsCompensated {
+  const T* grad;
+  const T* residual;
+  __device__ float operator()(int64_t i) const { return fabsf(compensated<kResidual>(grad, residual, i)); }
+};
+
+struct MeanScale {
+  float* scale;
+  int64_t n;
+  __device__ void operator()(int64_t, double total, int64_t) const {
+    *scale = static_cast<float>(total / static_cast<double>(n));
+  }
+};
+
+// The code field starts 4-byte aligned (header 48 + scale 4) and each warp's word covers 32
+// elements from a multiple of 32, so whole words are written; a last partial word ends inside the
+// payload's padding, and its bits past n are zero, as the padding is.
+template <typename T, bool kResidual>
+__global__ void signs_kernel(const T* grad, T* residual, int64_t n, const float* scale_at, uint32_t* words) {
+  const float scale = *scale_at;
+  for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.x; base < n;
+       base += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t i = base + threadIdx.x;
+    bool positive = false;
+    if (i < n) {
+      const float m = compensated<kResidual>(grad, residual, i);
+      positive = !(m < 0.0f);
+      if constexpr (kResidual) residual[i] = from_float<T>(m - (positive ? scale : -scale));
+    }
+    const uint32_t word = __ballot_sync(0xFFFFFFFFu, positive);
+    if ((threadIdx.x & 31) == 0 && i < n) words[i / 32] = word;
+  }
+}
+
+struct DecodeSign {
+  int64_t codes;
+  __device__ float operator()(const uint8_t* payload, int64_t i) const {
+    const float scale = *field<float>(payload, kHeaderBytes);
+    return ((payload[codes + i / 8] >> (i % 8)) & 1) ? scale : -scale;
+  }
+};
+
+template <typename T>
+__global__ void vote_kernel(const uint8_t* payloads, int64_t count, int64_t stride, int64_t codes, int64_t n,
+                            float alpha, T* out) {
+  float scale_sum = 0.0f;
+  for (int64_t p = 0; p < count; ++p) scale_sum += *field<float>(payloads + p * stride, kHeaderBytes);
+  const float magnitude = alpha * scale_sum;
+  GC_GRID_LOOP(i, n) {
+    float votes = 0.0f;  // each sign counts +1 or -1
+    for (int64_t p = 0; p < count; ++p) votes += ((payloads[p * stride + codes + i / 8] >> (i % 8)) & 1) ? 1.0f : -1.0f;
+    out[i] = from_float<T>(votes > 0 ? magnitude : votes < 0 ? -magnitude : 0.0f);
+  }
+}
+
+}  // namespace
+
+size_t signsgd_encode_workspace(const PayloadHeader& h) {
+  return sizeof(float) * segment_sum_partials(h.numel, h.numel);
+}
+
+void encode_signsgd(const EncodeParams& p, cudaStream_t stream) {
+  const int64_t n = p.header.numel;
+  float* scale = reinterpret_cast<float*>(p.payload + kHeaderBytes);
+  if (n == 0) {
+    cudaMemsetAsync(scale, 0, sizeof(float), stream);
+    return;
+  }
+  uint32_t* words = reinterpret_cast<uint32_t*>(p.payload + body_layout(p.header).codes);
+  visit_encode(p, [&](auto* t, auto has_residual) {
+    using T = Elem<decltype(t)>;
+    constexpr bool kResidual = decltype(has_residual)::value;
+    const T* grad = static_cast<const T*>(p.grad);
+    T* residual = static_cast<T*>(p.residual);
+    segment_sums(n, n, AbsCompensated<T, kResidual>{grad, residual}, MeanScale{scale, n},
+                 static_cast<float*>(p.workspace), stream);
+    signs_kernel<T, kResidual><<<blocks_for(n), kThreads, 0, stream>>>(grad, residual, n, scale, words);
+  });
+}
+
+void decode_signsgd(const DecodeParams& d, cudaStream_t stream) {
+  const int64_t codes = body_layout(d.expected).codes, n = d.expected.numel;
+  visit_element_type(static_cast<DType>(d.expected.dtype), [&](auto* t) {
+    using T = Elem<decltype(t)>;
+    if (!d.vote) {
+      launch_sum_decoded<T>(d, DecodeSign{codes}, stream);
+    } else if (n > 0) {
+      vote_kernel<<<blocks_for(n), kThreads, 0, stream>>>(d.payloads, d.count, body_layout(d.expected).total, codes, n,
+                                                          d.alpha, static_cast<T*>(d.out));
+    }
+  });
+}
+
+}  // namespace gradcomp::cuda

@@ -1,0 +1,145 @@
+"""The CUDA codecs through torch.ops.gradcomp: bit for bit the CPU codecs' payloads, residuals and
+sums; device-side payload checks; device errors; the DDP hook with two ranks on one GPU (gloo).
+Every test here needs a CUDA GPU and skips cleanly without one."""
+
+import pytest
+import torch
+
+import gradcomp
+import ddp_scenarios as scenarios
+from ddp_harness import run_ranks, unwrap
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine")
+needs_cuda_build = pytest.mark.skipif(not gradcomp.cuda_built, reason="gradcomp was built without CUDA codecs")
+
+SPECS = ["none", "fp16", "bf16", "signsgd", "signsgd:error_feedback=false", "terngrad", "qsgd",
+         "qsgd:levels=3,block=5000", "qsgd:levels=255,block=64", "topk:ratio=0.01", "topk:ratio=0.3",
+         "randomk:ratio=0.05", "terngrad:seed=7,error_feedback=true"]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+SIZES = [1, 37, 4097, 300_001]
+
+
+def gradient(n, dtype, seed):
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=generator) * torch.exp2(torch.randint(-4, 5, (n,), generator=generator).float())
+    x[torch.randint(0, n, (n // 17 + 1,), generator=generator)] = 0.0  # zeros
+    x[torch.randint(0, n, (n // 23 + 1,), generator=generator)] = 0.5  # ties
+    return x.to(dtype)
+
+
+def same_bits(a, b):
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.cpu().view(torch.uint8), b.cpu().view(torch.uint8))
+
+
+@needs_cuda_build
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("spec", SPECS)
+def test_cuda_payloads_residuals_and_sums_are_the_cpu_bits(spec, dtype, n):
+    codec = gradcomp.codec(spec)
+    cpu_payloads, cuda_payloads = [], []
+    for rank in range(3):
+        grad = gradient(n, dtype, rank)
+        residual = gradient(n, dtype, 10 + rank) if codec.error_feedback else None
+        cuda_residual = residual.cuda() if residual is not None else None
+        cpu_payloads.append(codec.encode(grad, residual, step=5, bucket=2, rank=rank))
+        cuda_payloads.append(codec.encode(grad.cuda(), cuda_residual, step=5, bucket=2, rank=rank))
+        assert cuda_payloads[-1].is_cuda
+        assert same_bits(cuda_payloads[-1], cpu_payloads[-1]), f"payload of rank {rank}"
+        if residual is not None:
+            assert same_bits(cuda_residual, residual), f"residual of rank {rank}"
+    for count in (1, 3):
+        stacked = torch.stack(cpu_payloads[:count])
+        want = codec.decode_sum(stacked, torch.empty(n, dtype=dtype), 1 / count)
+        got = codec.decode_sum(stacked.cuda(), torch.empty(n, dtype=dtype, device="cuda"), 1 / count)
+        assert same_bits(got, want), f"sum of {count} payloads"
+
+
+@needs_cuda_build
+def test_signsgd_vote_matches_the_cpu():
+    codec = gradcomp.codec("signsgd:vote=true")
+    payloads = torch.stack([codec.encode(gradient(5000, torch.float32, r), rank=r) for r in range(4)])
+    want = codec.decode_sum(payloads, torch.empty(5000), 0.25)
+    got = codec.decode_sum(payloads.cuda(), torch.empty(5000, device="cuda"), 0.25)
+    assert same_bits(got, want)
+
+
+@needs_cuda_build
+def test_topk_on_64m_elements_is_exact():
+    """Many tiles and three digit passes: the selection is the exact top k, lowest indices on ties."""
+    n, codec = 1 << 26, gradcomp.codec("topk:ratio=0.01")
+    grad = torch.randn(n, device="cuda")
+    grad[::1000] = 3.0  # a block of ties at the top
+    payload = codec.encode(grad)
+    k = gradcomp.count_for_ratio(0.01, n)
+    indices = payload[48:48 + 4 * k].view(torch.int32).long()
+    keys = grad.abs()
+    threshold = keys[indices].min()
+    assert torch.all(indices[1:] > indices[:-1])
+    assert int((keys > threshold).sum()) <= k <= int((keys >= threshold).sum())
+    assert same_bits(payload, codec.encode(grad.cpu()))
+
+
+@needs_cuda_build
+def test_a_malformed_payload_raises_and_poisons_the_output():
+    codec = gradcomp.codec("topk:ratio=0.1")
+    payloads = torch.stack([codec.encode(gradient(1000, torch.float32, r), rank=r) for r in range(2)]).cuda()
+    payloads[1, 48 + 4 * 3: 48 + 4 * 4] = torch.tensor([255, 255, 255, 127], dtype=torch.uint8)  # index 2^31 - 1
+    out = torch.empty(1000, device="cuda")
+    with pytest.raises(ValueError, match="topk index is out of range"):
+        codec.decode_sum(payloads, out)
+    assert torch.isnan(out).all()
+    status = torch.zeros(1, dtype=torch.int32, device="cuda")
+    codec.decode_sum(payloads, out, status=status)  # no sync, no raise: the caller reads status later
+    assert "topk index" in gradcomp._ops._C.describe_decode_problems(int(status.item()))
+    with pytest.raises(ValueError, match="payloads of .* bytes"):
+        codec.decode_sum(payloads[:, :-16], out)
+
+
+@needs_cuda_build
+def test_mixed_devices_are_refused_by_name():
+    codec = gradcomp.codec("qsgd")
+    grad = torch.randn(100, device="cuda")
+    with pytest.raises(ValueError, match="residual on cpu but the gradient on cuda:0"):
+        codec.encode(grad, torch.zeros(100))
+    payload = codec.encode(grad)
+    with pytest.raises(ValueError, match="payloads on cuda:0 but out on cpu"):
+        codec.decode_sum(payload, torch.empty(100))
+    with pytest.raises(ValueError, match="status must be one int32 element on cuda:0"):
+        codec.decode_sum(payload, torch.empty(100, device="cuda"), status=torch.zeros(1, dtype=torch.int32))
+
+
+@pytest.mark.skipif(gradcomp.cuda_built, reason="this build has the CUDA codecs")
+def test_a_build_without_cuda_says_so():
+    with pytest.raises(ValueError, match="this build has no CUDA codecs, and the tensor is on cuda:0"):
+        gradcomp.codec("topk").encode(torch.randn(100, device="cuda"))
+
+
+@needs_cuda_build
+def test_orthogonalize_on_cuda_matches_the_cpu():
+    p = torch.randn(3, 500, 4)
+    p[:, :, 3] = p[:, :, 0] * 2  # a dependent column becomes zero
+    on_gpu = p.cuda()
+    torch.ops.gradcomp.orthogonalize_(p, 0.0)
+    torch.ops.gradcomp.orthogonalize_(on_gpu, 0.0)
+    torch.testing.assert_close(on_gpu.cpu(), p, rtol=1e-4, atol=1e-5)
+    assert torch.all(on_gpu[:, :, 3] == 0)
+
+
+@needs_cuda_build
+def test_ddp_hook_with_two_ranks_on_one_gpu():
+    """Every codec as DDP's hook, both ranks on cuda:0 over gloo: lossless settings equal plain DDP,
+    compressed training lowers the loss, and the ranks agree on every averaged gradient."""
+    results = unwrap(run_ranks(scenarios.on_gpu, 2, (scenarios.GPU_SPECS, 12), timeout=600))
+    for rank_result in results:
+        plain = rank_result["plain"]["grads"]
+        for spec, run in rank_result.items():
+            if spec in scenarios.GPU_LOSSLESS:
+                for got, want in zip(run["grads"], plain):
+                    torch.testing.assert_close(got, want, rtol=2e-3 if spec == "fp16" else 1e-5, atol=1e-5)
+            elif spec != "plain":
+                assert sum(run["losses"][-3:]) < sum(run["losses"][:3]), (spec, run["losses"])
+                assert run["stats"]["total"]["compressed_buckets"] > 0, spec
+    for spec in results[0]:
+        for got, want in zip(results[1][spec]["grads"], results[0][spec]["grads"]):
+            assert torch.equal(got, want), spec
