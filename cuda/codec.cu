@@ -4,11 +4,20 @@
 namespace gradcomp::cuda {
 namespace {
 
-using EncodeFn = void (*)(const EncodeParams&, cudaStream_t);
+using EncodeFn = cudaError_t (*)(const EncodeParams&, cudaStream_t);
 using DecodeFn = void (*)(const DecodeParams&, cudaStream_t);
 
-constexpr EncodeFn kEncode[kNumCodecs] = {encode_dense,    encode_dense, encode_dense, encode_signsgd,
-                                          encode_terngrad, encode_qsgd,  encode_topk,  encode_randomk};
+// The codecs whose launches can only fail the runtime's way (reported by cudaGetLastError).
+template <void (*kEncodeCodec)(const EncodeParams&, cudaStream_t)>
+cudaError_t launches_only(const EncodeParams& p, cudaStream_t stream) {
+  kEncodeCodec(p, stream);
+  return cudaSuccess;
+}
+
+constexpr EncodeFn kEncode[kNumCodecs] = {
+    launches_only<encode_dense>, launches_only<encode_dense>,    launches_only<encode_dense>,
+    launches_only<encode_signsgd>, launches_only<encode_terngrad>, launches_only<encode_qsgd>,
+    encode_topk,                   launches_only<encode_randomk>};
 constexpr DecodeFn kDecode[kNumCodecs] = {decode_dense,    decode_dense, decode_dense, decode_signsgd,
                                           decode_terngrad, decode_qsgd,  decode_topk,  decode_randomk};
 
@@ -46,12 +55,20 @@ __global__ void check_topk_indices(const uint8_t* payloads, int64_t count, int64
   }
 }
 
-// After a failed check, the whole output becomes NaN.
+// After a failed check of this call's payloads, the whole output becomes NaN.
 template <typename T>
-__global__ void poison_if_invalid(const uint32_t* status, T* out, int64_t n) {
-  if (*status == 0) return;
+__global__ void poison_if_invalid(const uint32_t* problems, T* out, int64_t n) {
+  if (*problems == 0) return;
   GC_GRID_LOOP(i, n) out[i] = from_float<T>(__int_as_float(0x7FC00000));
 }
+
+__global__ void report_problems(const uint32_t* problems, uint32_t* status) {
+  if (*problems) atomicOr(status, *problems);
+}
+
+// The decode workspace: this call's own problem word first (the caller's status word may already
+// hold an earlier call's problems), then the codec's part.
+constexpr size_t kProblemWordBytes = 256;
 
 }  // namespace
 
@@ -66,30 +83,35 @@ size_t encode_workspace_bytes(const PayloadHeader& h) {
 }
 
 size_t decode_workspace_bytes(const PayloadHeader& h, int64_t count) {
-  return static_cast<Codec>(h.codec) == Codec::TopK ? topk_decode_workspace(h, count) : 0;
+  return kProblemWordBytes + (static_cast<Codec>(h.codec) == Codec::TopK ? topk_decode_workspace(h, count) : 0);
 }
 
 cudaError_t encode(const EncodeParams& p, cudaStream_t stream) {
   const BodyLayout layout = body_layout(p.header);
   write_header<<<1, 64, 0, stream>>>(p.header, p.payload, layout.end, layout.total);
-  kEncode[p.header.codec](p, stream);
-  return cudaGetLastError();
+  const cudaError_t error = kEncode[p.header.codec](p, stream);
+  return error != cudaSuccess ? error : cudaGetLastError();
 }
 
-cudaError_t decode_sum(const DecodeParams& d, cudaStream_t stream) {
-  const PayloadHeader& h = d.expected;
+cudaError_t decode_sum(const DecodeParams& params, cudaStream_t stream) {
+  const PayloadHeader& h = params.expected;
   const int64_t stride = body_layout(h).total;
-  check_headers<<<blocks_for(d.count), kThreads, 0, stream>>>(d.payloads, d.count, stride, h, d.status);
+  uint32_t* problems = static_cast<uint32_t*>(params.workspace);
+  DecodeParams d = params;
+  d.workspace = static_cast<uint8_t*>(params.workspace) + kProblemWordBytes;
+  cudaMemsetAsync(problems, 0, sizeof(uint32_t), stream);
+  check_headers<<<blocks_for(d.count), kThreads, 0, stream>>>(d.payloads, d.count, stride, h, problems);
   if (static_cast<Codec>(h.codec) == Codec::TopK && h.param0 > 0)
     check_topk_indices<<<blocks_for(d.count * h.param0), kThreads, 0, stream>>>(
-        d.payloads, d.count, stride, body_layout(h).codes, h.param0, h.numel, d.status);
+        d.payloads, d.count, stride, body_layout(h).codes, h.param0, h.numel, problems);
   kDecode[h.codec](d, stream);
   if (h.numel > 0) {
     visit_element_type(static_cast<DType>(h.dtype), [&](auto* t) {
       using T = Elem<decltype(t)>;
-      poison_if_invalid<<<blocks_for(h.numel), kThreads, 0, stream>>>(d.status, static_cast<T*>(d.out), h.numel);
+      poison_if_invalid<<<blocks_for(h.numel), kThreads, 0, stream>>>(problems, static_cast<T*>(d.out), h.numel);
     });
   }
+  report_problems<<<1, 1, 0, stream>>>(problems, d.status);
   return cudaGetLastError();
 }
 

@@ -18,7 +18,7 @@ struct EncodeParams {
   uint32_t rank = 0;           // keys this rank's stochastic rounding
   const void* grad = nullptr;  // numel contiguous elements of header.dtype, on the device
   void* residual = nullptr;    // the same shape and dtype; nullptr: no error feedback
-  uint8_t* payload = nullptr;  // body_layout(header).total bytes on the device
+  uint8_t* payload = nullptr;  // body_layout(header).total bytes on the device, 16-byte aligned
   void* workspace = nullptr;   // encode_workspace_bytes(header) bytes on the device, 256-byte aligned
 };
 
@@ -26,12 +26,13 @@ struct DecodeParams {
   // What every payload's header must say (codec, dtype, numel, param0, param1); its random key is
   // ignored: the payloads must agree with payload 0 on theirs. Validated by the caller.
   PayloadHeader expected;
-  const uint8_t* payloads = nullptr;  // count payloads of body_layout(expected).total bytes, back to back
+  const uint8_t* payloads = nullptr;  // count payloads of body_layout(expected).total bytes, back to back,
+                                      // the first 16-byte aligned
   int64_t count = 0;
   void* out = nullptr;    // numel elements of expected.dtype, overwritten
   float alpha = 1.0f;     // out = alpha * sum of the decoded payloads
   bool vote = false;      // signsgd only: majority vote of the signs, scaled by the summed scales
-  uint32_t* status = nullptr;  // one device word; the DecodeProblem bits found are OR-ed into it
+  uint32_t* status = nullptr;  // one device word; the DecodeProblem bits this call finds are OR-ed into it
   void* workspace = nullptr;   // decode_workspace_bytes(expected, count) bytes, 256-byte aligned
 };
 
@@ -41,8 +42,8 @@ size_t decode_workspace_bytes(const PayloadHeader& expected, int64_t count);
 // Each returns the launch error, if any (cudaSuccess otherwise).
 cudaError_t encode(const EncodeParams& params, cudaStream_t stream);
 
-// Checks the payloads on the device as validate_payloads does on the host. A payload that fails
-// sets its problem bits in *status and makes the whole output NaN: never an access out of bounds,
+// Checks the payloads on the device as validate_payloads does on the host. If any fails, its problem
+// bits go into *status and this call's whole output becomes NaN: never an access out of bounds,
 // never a plausible wrong gradient.
 cudaError_t decode_sum(const DecodeParams& params, cudaStream_t stream);
 

@@ -182,7 +182,7 @@ void encode_terngrad(const EncodeParams&, cudaStream_t);
 void decode_terngrad(const DecodeParams&, cudaStream_t);
 void encode_qsgd(const EncodeParams&, cudaStream_t);
 void decode_qsgd(const DecodeParams&, cudaStream_t);
-void encode_topk(const EncodeParams&, cudaStream_t);
+cudaError_t encode_topk(const EncodeParams&, cudaStream_t);
 void decode_topk(const DecodeParams&, cudaStream_t);
 void encode_randomk(const EncodeParams&, cudaStream_t);
 void decode_randomk(const DecodeParams&, cudaStream_t);

@@ -201,9 +201,10 @@ size_t topk_decode_workspace(const PayloadHeader& h, int64_t count) {
   return count > 1 && static_cast<DType>(h.dtype) != DType::F32 ? sizeof(float) * h.numel : 0;
 }
 
-void encode_topk(const EncodeParams& p, cudaStream_t stream) {
+// Returns CUB's error, if any: a CUB failure need not set the runtime's last error.
+cudaError_t encode_topk(const EncodeParams& p, cudaStream_t stream) {
   const int64_t n = p.header.numel, k = p.header.param0;
-  if (n == 0) return;
+  if (n == 0) return cudaSuccess;
   const TopkWorkspace w(n);
   auto* state = w.at<SelectState>(p.workspace, 0);
   auto* hist = w.at<uint32_t>(p.workspace, 1);
@@ -215,6 +216,7 @@ void encode_topk(const EncodeParams& p, cudaStream_t stream) {
   int32_t* indices = reinterpret_cast<int32_t*>(p.payload + layout.codes);
   cudaMemsetAsync(hist, 0, sizeof(uint32_t) * kTopBins, stream);
   start_select<<<1, 1, 0, stream>>>(state, static_cast<uint32_t>(k));
+  cudaError_t error = cudaSuccess;
   visit_encode(p, [&](auto* t, auto has_residual) {
     using T = Elem<decltype(t)>;
     constexpr bool kResidual = decltype(has_residual)::value;
@@ -231,12 +233,18 @@ void encode_topk(const EncodeParams& p, cudaStream_t stream) {
     tile_counts<<<tile_blocks, kThreads, 0, stream>>>(m, n, state, above, equal);
     size_t scan_bytes = w.scan_bytes;
     void* scan_storage = w.at<void>(p.workspace, 6);
-    cub::DeviceScan::ExclusiveSum(scan_storage, scan_bytes, above, above_before, static_cast<int>(w.tiles), stream);
-    cub::DeviceScan::ExclusiveSum(scan_storage, scan_bytes, equal, equal_before, static_cast<int>(w.tiles), stream);
+    error = cub::DeviceScan::ExclusiveSum(scan_storage, scan_bytes, above, above_before, static_cast<int>(w.tiles),
+                                          stream);
+    if (error == cudaSuccess)
+      error = cub::DeviceScan::ExclusiveSum(scan_storage, scan_bytes, equal, equal_before, static_cast<int>(w.tiles),
+                                            stream);
+    if (error != cudaSuccess) return;  // the positions would be garbage: write nothing
     write_selected<<<tile_blocks, kThreads, 0, stream>>>(m, residual, n, state, above_before, equal_before, indices,
                                                          reinterpret_cast<T*>(p.payload + layout.values));
   });
+  return error;
 }
+
 
 void decode_topk(const DecodeParams& d, cudaStream_t stream) {
   const PayloadHeader& h = d.expected;

@@ -147,6 +147,9 @@ void decode_cuda(const at::Tensor& stacked, at::Tensor& out, double alpha, bool 
                         problems.numel() == 1 && problems.is_contiguous(),
                     "gradcomp: status must be one int32 element on ", out.device(), ", got ", problems.scalar_type(),
                     "[", problems.numel(), "] on ", problems.device());
+  TORCH_CHECK_VALUE(at::get_overlap_status(problems, out) == at::MemOverlapStatus::No &&
+                        at::get_overlap_status(problems, stacked) == at::MemOverlapStatus::No,
+                    "gradcomp: status must not share memory with out or the payloads");
   const at::Tensor workspace = device_workspace(cuda::decode_workspace_bytes(expected, stacked.size(0)), out);
   cuda::DecodeParams p;
   p.expected = expected;
