@@ -10,6 +10,12 @@ For each codec and bucket size this measures, in one run and on one thread (by d
              without it (no residual: the same work as torch.topk), and powersgd (whose encode
              column is one whole roundtrip step on a matrix view) against a plain torch
              composition of the same steps written below.
+The PowerSGD hook step: DDP on one rank (gloo on the CPU, NCCL on a GPU) with ResNet-18's 62
+parameter shapes (11.2M elements; the loss is linear in them, so the backward pass costs next to
+nothing), 25 MB buckets on a GPU and one bucket on the CPU (see hook_step_bucket_cap_mb), timed per step with torch's powerSGD_hook and with gradcomp's powersgd at the same rank,
+warm start and error feedback, on the same buckets; the step of a hook that communicates nothing is
+subtracted, leaving each hook's own time.
+
 Throughputs are GB/s of gradient: fp32 gradient bytes (1 GB = 1e9 bytes) over the median time;
 decode x4 counts the four gradients it sums. Sizes are in MB of 2^20 bytes, as DDP's
 bucket_cap_mb (25 MB = 6,553,600 fp32 elements).
@@ -412,7 +418,7 @@ def machine_description(device: torch.device) -> dict:
     return description
 
 
-def write_json(path: Path, machine: dict, settings: dict, rows: list[Row]) -> None:
+def write_json(path: Path, machine: dict, settings: dict, rows: list[Row], hook_step: dict | None) -> None:
     document = {
         "machine": machine,
         "settings": settings,
@@ -422,6 +428,7 @@ def write_json(path: Path, machine: dict, settings: dict, rows: list[Row]) -> No
             "wire_bytes": "bytes of one payload (header included); powersgd: P and Q",
         },
         "results": [row.to_dict() for row in rows],
+        "powersgd_hook_step": hook_step,
     }
     path.write_text(json.dumps(document, indent=2) + "\n")
 
@@ -467,6 +474,98 @@ def write_plot(path: Path, rows: list[Row], machine: dict) -> bool:
     return True
 
 
+# ----------------------------------------------------------------------------- PowerSGD hook step
+
+HOOK_STEP_RANK = 4  # as the codec row "powersgd:rank=4"
+HOOK_STEP_WARMUP, HOOK_STEP_STEPS = 4, 12
+
+
+def resnet18_shapes() -> list[torch.Size]:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from network import resnet18  # the model of the network benchmark
+
+    return [p.shape for p in resnet18().parameters()]
+
+
+class LinearInParameters(torch.nn.Module):
+    """Parameters of the given shapes and a loss linear in them: the backward pass is nearly free,
+    so a step's time is DDP's and its hook's."""
+
+    def __init__(self, shapes):
+        super().__init__()
+        self.weights = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(s) * 0.01) for s in shapes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return sum((w * x).sum() for w in self.weights)
+
+
+def hook_step_bucket_cap_mb(device: torch.device) -> float:
+    """DDP's default 25 MB buckets on a GPU; one bucket on the CPU, where torch's powerSGD_hook can
+    hang or abort gloo with several (it starts Q's allreduce from P's callback, in no fixed order)."""
+    return 25.0 if device.type == "cuda" else 1024.0
+
+
+def hook_step_seconds(device: torch.device, timer: Timer, attach: Callable, steps: int) -> float:
+    """Median step time (zero_grad, backward with the hook, the wait for it) of a fresh DDP model."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model = LinearInParameters(resnet18_shapes()).to(device)
+    ddp = DistributedDataParallel(model, device_ids=[device.index or 0] if device.type == "cuda" else None,
+                                  bucket_cap_mb=hook_step_bucket_cap_mb(device))
+    attach(ddp)
+    x = torch.ones((), device=device)
+
+    def step():
+        ddp.zero_grad(set_to_none=False)
+        ddp(x).backward()
+
+    for _ in range(HOOK_STEP_WARMUP):  # past DDP's bucket rebuild and the hooks' plain first steps
+        timer.seconds(step)
+    return statistics.median(timer.seconds(step) for _ in range(steps))
+
+
+def measure_powersgd_hooks(device: torch.device, timer: Timer, quick: bool) -> dict:
+    """Hook time per step of torch's powerSGD_hook and gradcomp's powersgd on the same buckets."""
+    import tempfile
+
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+    rank, steps = HOOK_STEP_RANK, 3 if quick else HOOK_STEP_STEPS
+
+    def nothing(ddp):
+        def no_communication(_, bucket):
+            future = torch.futures.Future(devices=[device] if device.type == "cuda" else None)
+            future.set_result(bucket.buffer())
+            return future
+
+        ddp.register_comm_hook(None, no_communication)
+
+    def torch_powersgd(ddp):
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=rank,
+                                            start_powerSGD_iter=2, min_compression_rate=2, warm_start=True,
+                                            use_error_feedback=True)
+        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+
+    def gradcomp_powersgd(ddp):
+        gradcomp.register(ddp, f"powersgd:rank={rank}", start_iter=2)
+
+    with tempfile.TemporaryDirectory() as store:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"file://{store}/store",
+                                rank=0, world_size=1)
+        try:
+            base = hook_step_seconds(device, timer, nothing, steps)
+            torch_s = hook_step_seconds(device, timer, torch_powersgd, steps) - base
+            gradcomp_s = hook_step_seconds(device, timer, gradcomp_powersgd, steps) - base
+        finally:
+            dist.destroy_process_group()
+    return {"rank": rank, "parameters": "ResNet-18 shapes", "steps": steps,
+            "bucket_cap_mb": hook_step_bucket_cap_mb(device), "no_hook_step_ms": base * 1e3,
+            "torch_powerSGD_hook_ms": torch_s * 1e3, "gradcomp_powersgd_ms": gradcomp_s * 1e3,
+            "gradcomp_over_torch": ratio(gradcomp_s, torch_s)}
+
+
 # ----------------------------------------------------------------------------------------- main
 
 def resolve_device(name: str) -> torch.device:
@@ -500,6 +599,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--skip-reference-above", type=float, default=64.0, metavar="MB",
                         help="time the slow pure-PyTorch references only up to this size (default 64)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    parser.add_argument("--no-hook-step", action="store_true",
+                        help="skip the PowerSGD hook step comparison with torch's powerSGD_hook")
     parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR)
     parser.add_argument("--tag", help="output file stem (default kernels_<device>, kernels_<device>_quick)")
     args = parser.parse_args(argv)
@@ -538,6 +639,11 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[Row] = []
     for size_mb in args.sizes:
         rows += measure_size(timer, codecs, size_mb, reference, size_mb <= args.skip_reference_above)
+    hooks = None if args.no_hook_step else measure_powersgd_hooks(device, timer, args.quick)
+    if hooks:
+        print(f"PowerSGD hook step, rank {hooks['rank']}, ResNet-18 shapes, one rank: torch powerSGD_hook "
+              f"{hooks['torch_powerSGD_hook_ms']:.1f} ms, gradcomp powersgd {hooks['gradcomp_powersgd_ms']:.1f} ms "
+              f"(ratio {hooks['gradcomp_over_torch']:.2f}); the step without a hook {hooks['no_hook_step_ms']:.1f} ms")
     elapsed = time.perf_counter() - started
 
     settings = {
@@ -548,7 +654,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     args.out_dir.mkdir(parents=True, exist_ok=True)
     stem = args.out_dir / args.tag
-    write_json(stem.parent / f"{stem.name}.json", machine, settings, rows)
+    write_json(stem.parent / f"{stem.name}.json", machine, settings, rows, hooks)
     write_csv(stem.parent / f"{stem.name}.csv", rows)
     plotted = write_plot(stem.parent / f"{stem.name}.png", rows, machine)
     print(f"measured in {elapsed:.0f} s; wrote {stem}.json, .csv" + (", .png" if plotted else ""))
