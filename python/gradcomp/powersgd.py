@@ -70,12 +70,14 @@ class PowerSGD(Codec):
         return (rows + cols) * self.effective_rank(shape) * 4
 
     def initial_q(self, shape, *, bucket: int = 0, index: int = 0, step: int = 0, device=None) -> torch.Tensor:
-        """The starting Q (cols x r): N(0, 1), identical on every rank for the same (seed, bucket, index, step)."""
+        """The starting Q (cols x r): N(0, 1), identical on every rank for the same (seed, bucket, index, step).
+
+        Drawn by the generator of `device` (the CPU's by default): on a GPU no host copy is needed, and
+        every rank draws the same numbers as long as all ranks use the same kind of device."""
         rows, cols = self.matrix_shape(shape)
         key = (self.seed * 1_000_003 + bucket * 10_007 + index + step * 998_244_353) % 2**63
-        generator = torch.Generator().manual_seed(key)
-        q = torch.randn(cols, self.effective_rank(shape), generator=generator)
-        return q.to(device) if device is not None else q
+        generator = torch.Generator(device=device if device is not None else "cpu").manual_seed(key)
+        return torch.randn(cols, self.effective_rank(shape), generator=generator, device=generator.device)
 
     def compute_p(self, grad: torch.Tensor, residual: torch.Tensor | None, q: torch.Tensor):
         """Returns (M, P): M = grad + residual as an fp32 matrix (held in residual when given)."""
@@ -186,7 +188,8 @@ class PowerSGDBucket:
         for g, (_, _, _, members) in enumerate(self.groups):
             q = self._q(g)
             for j, position in enumerate(members):
-                q[j].copy_(self.codec.initial_q(self.shapes[position], bucket=self.index, index=position, step=step))
+                q[j].copy_(self.codec.initial_q(self.shapes[position], bucket=self.index, index=position, step=step,
+                                                device=q.device))
 
     def launch(self, step, flat: torch.Tensor, views) -> torch.futures.Future:
         """Starts P's allreduce; the future completes with flat holding the averaged gradient."""
@@ -210,9 +213,12 @@ class PowerSGDBucket:
         step.add("encode_s", time.perf_counter() - started)
         result = step.new_future(flat.device)
         q_ticket = step.sequencer.ticket(result)  # Q's allreduce is started from a callback: keep rank order
+        q_ready = []  # on CUDA: an event after compute_q, which runs on P's callback thread and its stream
 
         def launch_q():  # issued even after an error here, so that the other ranks are not left waiting
             try:
+                if q_ready:  # the sequencer issues Q from another thread, whose stream must wait for Q
+                    torch.cuda.current_stream(self.q.device).wait_event(q_ready[0])
                 step.chain(step.allreduce(self.q), after_q, result)
             except BaseException as error:  # noqa: BLE001 - handed to the waiting DDP reducer
                 if not result.done():
@@ -232,6 +238,9 @@ class PowerSGDBucket:
                 views[position].copy_(whole[start: start + n].view(views[position].shape))
             for g in range(len(self.groups)):
                 codec.compute_q(self._m(m, g), codec.orthogonalize(self._p(p, g)), self._q(g))
+            if self.q.is_cuda:
+                q_ready.append(torch.cuda.Event())
+                q_ready[0].record(torch.cuda.current_stream(self.q.device))
             step.add("encode_s", time.perf_counter() - started)
 
         def after_q(summed_q):
