@@ -1,6 +1,6 @@
 """Accuracy against compression ratio: every codec over a sweep of its knob, on two real data sets.
 
-    python benchmarks/accuracy_vs_ratio.py              # full sweep, both data sets, 3 seeds (about 90 min on 2 cores)
+    python benchmarks/accuracy_vs_ratio.py              # full sweep, both data sets, 3 seeds (about 2 hours on 2 cores)
     python benchmarks/accuracy_vs_ratio.py --quick      # a few codecs, MNIST-1D, 1 seed, 3 epochs (about a minute)
     python benchmarks/accuracy_vs_ratio.py --datasets fashion --seeds 0 --codecs none topk:ratio=0.01
     torchrun --nproc-per-node 8 benchmarks/accuracy_vs_ratio.py   # NCCL when CUDA is there
