@@ -146,3 +146,19 @@ def test_ddp_hook_with_two_ranks_on_one_gpu():
     for spec in results[0]:
         for got, want in zip(results[1][spec]["grads"], results[0][spec]["grads"]):
             assert torch.equal(got, want), spec
+
+
+def test_the_hook_reads_device_status_words_back_without_waiting():
+    """A problem a CUDA decode OR-ed into a step's word raises at a later step's poll, once its copy landed."""
+    from gradcomp.hook import _DecodeChecks
+
+    checks = _DecodeChecks()
+    assert checks.word(0, torch.device("cpu")) is None  # the CPU path raises at once
+    checks.word(3, torch.device("cuda", 0)).fill_(4)  # step 3: a bad topk index
+    checks.word(4, torch.device("cuda", 0))  # step 4: nothing wrong
+    checks.poll(3)  # step 3's decodes may still be running: nothing is read yet
+    with pytest.raises(RuntimeError, match="malformed payloads in step 3: a topk index"):
+        checks.poll(5)  # starts the read-back of steps 3 and 4 (raises here if the copy landed at once)
+        torch.cuda.synchronize()
+        checks.poll(6)
+    checks.poll(7)  # reported once
