@@ -12,9 +12,10 @@ For each codec and bucket size this measures, in one run and on one thread (by d
              composition of the same steps written below.
 The PowerSGD hook step: DDP on one rank (gloo on the CPU, NCCL on a GPU) with ResNet-18's 62
 parameter shapes (11.2M elements; the loss is linear in them, so the backward pass costs next to
-nothing), 25 MB buckets on a GPU and one bucket on the CPU (see hook_step_bucket_cap_mb), timed per step with torch's powerSGD_hook and with gradcomp's powersgd at the same rank,
-warm start and error feedback, on the same buckets; the step of a hook that communicates nothing is
-subtracted, leaving each hook's own time.
+nothing), 25 MB buckets on a GPU and one bucket on the CPU (see hook_step_bucket_cap_mb), timed
+per step with torch's powerSGD_hook and with gradcomp's powersgd at the same rank, warm start and
+error feedback, on the same buckets; the step of a hook that communicates nothing is subtracted,
+leaving each hook's own time.
 
 Throughputs are GB/s of gradient: fp32 gradient bytes (1 GB = 1e9 bytes) over the median time;
 decode x4 counts the four gradients it sums. Sizes are in MB of 2^20 bytes, as DDP's
@@ -480,11 +481,10 @@ HOOK_STEP_RANK = 4  # as the codec row "powersgd:rank=4"
 HOOK_STEP_WARMUP, HOOK_STEP_STEPS = 4, 12
 
 
-def resnet18_shapes() -> list[torch.Size]:
+def network_benchmark() -> ModuleType:
+    """benchmarks/network.py: its ResNet-18 and its no-communication hook."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from network import resnet18  # the model of the network benchmark
-
-    return [p.shape for p in resnet18().parameters()]
+    return importlib.import_module("network")
 
 
 class LinearInParameters(torch.nn.Module):
@@ -505,12 +505,12 @@ def hook_step_bucket_cap_mb(device: torch.device) -> float:
     return 25.0 if device.type == "cuda" else 1024.0
 
 
-def hook_step_seconds(device: torch.device, timer: Timer, attach: Callable, steps: int) -> float:
+def hook_step_seconds(device: torch.device, timer: Timer, shapes, attach: Callable, steps: int) -> float:
     """Median step time (zero_grad, backward with the hook, the wait for it) of a fresh DDP model."""
     from torch.nn.parallel import DistributedDataParallel
 
     torch.manual_seed(0)
-    model = LinearInParameters(resnet18_shapes()).to(device)
+    model = LinearInParameters(shapes).to(device)
     ddp = DistributedDataParallel(model, device_ids=[device.index or 0] if device.type == "cuda" else None,
                                   bucket_cap_mb=hook_step_bucket_cap_mb(device))
     attach(ddp)
@@ -533,14 +533,11 @@ def measure_powersgd_hooks(device: torch.device, timer: Timer, quick: bool) -> d
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
     rank, steps = HOOK_STEP_RANK, 3 if quick else HOOK_STEP_STEPS
+    network = network_benchmark()
+    shapes = [p.shape for p in network.resnet18().parameters()]
 
     def nothing(ddp):
-        def no_communication(_, bucket):
-            future = torch.futures.Future(devices=[device] if device.type == "cuda" else None)
-            future.set_result(bucket.buffer())
-            return future
-
-        ddp.register_comm_hook(None, no_communication)
+        ddp.register_comm_hook(None, network.no_communication)
 
     def torch_powersgd(ddp):
         state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=rank,
@@ -555,9 +552,9 @@ def measure_powersgd_hooks(device: torch.device, timer: Timer, quick: bool) -> d
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"file://{store}/store",
                                 rank=0, world_size=1)
         try:
-            base = hook_step_seconds(device, timer, nothing, steps)
-            torch_s = hook_step_seconds(device, timer, torch_powersgd, steps) - base
-            gradcomp_s = hook_step_seconds(device, timer, gradcomp_powersgd, steps) - base
+            base = hook_step_seconds(device, timer, shapes, nothing, steps)
+            torch_s = hook_step_seconds(device, timer, shapes, torch_powersgd, steps) - base
+            gradcomp_s = hook_step_seconds(device, timer, shapes, gradcomp_powersgd, steps) - base
         finally:
             dist.destroy_process_group()
     return {"rank": rank, "parameters": "ResNet-18 shapes", "steps": steps,

@@ -95,8 +95,10 @@ def resnet18(num_classes: int = 10, width: int = 64) -> nn.Module:
 # -- the ranks ---------------------------------------------------------------------------------------------------------
 
 def no_communication(_, bucket):
-    done = torch.futures.Future()
-    done.set_result(bucket.buffer())
+    """The limit's hook: the local gradient, untouched (a CUDA-aware future for a CUDA bucket)."""
+    buffer = bucket.buffer()
+    done = torch.futures.Future(devices=[buffer.device]) if buffer.is_cuda else torch.futures.Future()
+    done.set_result(buffer)
     return done
 
 

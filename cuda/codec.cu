@@ -106,7 +106,7 @@ cudaError_t decode_sum(const DecodeParams& params, cudaStream_t stream) {
         d.payloads, d.count, stride, body_layout(h).codes, h.param0, h.numel, problems);
   kDecode[h.codec](d, stream);
   if (h.numel > 0) {
-    visit_element_type(static_cast<DType>(h.dtype), [&](auto* t) {
+    visit_dtype(static_cast<DType>(h.dtype), [&](auto* t) {
       using T = Elem<decltype(t)>;
       poison_if_invalid<<<blocks_for(h.numel), kThreads, 0, stream>>>(problems, static_cast<T*>(d.out), h.numel);
     });

@@ -25,7 +25,7 @@ struct DecodeWire {
 // Calls f with null pointers of (gradient type, wire type).
 template <typename F>
 void visit_wire(const PayloadHeader& h, F&& f) {
-  visit_element_type(static_cast<DType>(h.dtype), [&](auto* grad_type) {
+  visit_dtype(static_cast<DType>(h.dtype), [&](auto* grad_type) {
     switch (static_cast<Codec>(h.codec)) {
       case Codec::Fp16: f(grad_type, static_cast<f16*>(nullptr)); break;
       case Codec::Bf16: f(grad_type, static_cast<bf16*>(nullptr)); break;

@@ -23,20 +23,10 @@ inline unsigned blocks_for(int64_t items, int64_t per_block = kThreads) {
   return static_cast<unsigned>(std::max<int64_t>(1, std::min(kMaxBlocks, ceil_div(items, per_block))));
 }
 
-// Calls f with a null pointer of the element type of a wire dtype (host side).
-template <typename F>
-void visit_element_type(DType dtype, F&& f) {
-  switch (dtype) {
-    case DType::F32: f(static_cast<float*>(nullptr)); break;
-    case DType::F16: f(static_cast<f16*>(nullptr)); break;
-    case DType::BF16: f(static_cast<bf16*>(nullptr)); break;
-  }
-}
-
-// visit_element_type, plus whether there is a residual (std::true_type / std::false_type).
+// visit_dtype (common/wire.h), plus whether there is a residual (std::true_type / std::false_type).
 template <typename F>
 void visit_encode(const EncodeParams& p, F&& f) {
-  visit_element_type(static_cast<DType>(p.header.dtype), [&](auto* t) {
+  visit_dtype(static_cast<DType>(p.header.dtype), [&](auto* t) {
     if (p.residual) f(t, std::true_type{});
     else f(t, std::false_type{});
   });

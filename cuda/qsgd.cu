@@ -115,7 +115,8 @@ void decode_qsgd(const DecodeParams& d, cudaStream_t stream) {
   const BodyLayout layout = body_layout(h);
   const DecodeLevels decoded{layout.codes, layout.end - layout.codes, h.param1, qsgd_code_bits(h.param0),
                              static_cast<float>(h.param0)};
-  visit_element_type(static_cast<DType>(h.dtype), [&](auto* t) { launch_sum_decoded<Elem<decltype(t)>>(d, decoded, stream); });
+  visit_dtype(static_cast<DType>(h.dtype),
+              [&](auto* t) { launch_sum_decoded<Elem<decltype(t)>>(d, decoded, stream); });
 }
 
 }  // namespace gradcomp::cuda

@@ -40,7 +40,7 @@ void encode_randomk(const EncodeParams& p, cudaStream_t stream) {
   const int64_t n = p.header.numel, k = p.header.param0;
   if (n == 0) return;
   const IndexPermutation pi(static_cast<uint32_t>(n), RandomKey{p.header.seed, p.header.step, p.header.bucket, 0});
-  visit_element_type(static_cast<DType>(p.header.dtype), [&](auto* t) {
+  visit_dtype(static_cast<DType>(p.header.dtype), [&](auto* t) {
     using T = Elem<decltype(t)>;
     const T* grad = static_cast<const T*>(p.grad);
     T* residual = static_cast<T*>(p.residual);
@@ -54,7 +54,7 @@ void decode_randomk(const DecodeParams& d, cudaStream_t stream) {
   const PayloadHeader& h = d.expected;
   const int64_t n = h.numel, k = h.param0;
   if (n == 0) return;
-  visit_element_type(static_cast<DType>(h.dtype), [&](auto* t) {
+  visit_dtype(static_cast<DType>(h.dtype), [&](auto* t) {
     using T = Elem<decltype(t)>;
     T* out = static_cast<T*>(d.out);
     fill<<<blocks_for(n), kThreads, 0, stream>>>(out, n, from_float<T>(0.0f));

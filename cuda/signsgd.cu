@@ -89,7 +89,7 @@ void encode_signsgd(const EncodeParams& p, cudaStream_t stream) {
 
 void decode_signsgd(const DecodeParams& d, cudaStream_t stream) {
   const int64_t codes = body_layout(d.expected).codes, n = d.expected.numel;
-  visit_element_type(static_cast<DType>(d.expected.dtype), [&](auto* t) {
+  visit_dtype(static_cast<DType>(d.expected.dtype), [&](auto* t) {
     using T = Elem<decltype(t)>;
     if (!d.vote) {
       launch_sum_decoded<T>(d, DecodeSign{codes}, stream);

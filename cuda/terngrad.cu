@@ -76,7 +76,7 @@ void encode_terngrad(const EncodeParams& p, cudaStream_t stream) {
 }
 
 void decode_terngrad(const DecodeParams& d, cudaStream_t stream) {
-  visit_element_type(static_cast<DType>(d.expected.dtype), [&](auto* t) {
+  visit_dtype(static_cast<DType>(d.expected.dtype), [&](auto* t) {
     launch_sum_decoded<Elem<decltype(t)>>(d, DecodeTernary{body_layout(d.expected).codes}, stream);
   });
 }

@@ -251,7 +251,7 @@ void decode_topk(const DecodeParams& d, cudaStream_t stream) {
   const int64_t n = h.numel, k = h.param0, stride = body_layout(h).total;
   if (n == 0) return;
   const BodyLayout layout = body_layout(h);
-  visit_element_type(static_cast<DType>(h.dtype), [&](auto* t) {
+  visit_dtype(static_cast<DType>(h.dtype), [&](auto* t) {
     using T = Elem<decltype(t)>;
     T* out = static_cast<T*>(d.out);
     const auto indices = [&](int64_t p) { return reinterpret_cast<const int32_t*>(d.payloads + p * stride + layout.codes); };

@@ -18,6 +18,7 @@
 // The rank is not in the header: it only keys the stochastic rounding of each rank's own body.
 #pragma once
 
+#include "half.h"
 #include "hd.h"
 
 namespace gradcomp {
@@ -102,6 +103,17 @@ enum DecodeProblem : uint32_t {
   kHeadersDiffer = 2,      // a payload's random key (seed, step, bucket) differs from payload 0's
   kIndexInvalid = 4,       // a topk index out of range or not strictly ascending
 };
+
+// Calls f with a null pointer of the C++ element type for a wire dtype (host side; CPU and CUDA
+// dispatch alike).
+template <typename F>
+void visit_dtype(DType dtype, F&& f) {
+  switch (dtype) {
+    case DType::F32: f(static_cast<float*>(nullptr)); break;
+    case DType::F16: f(static_cast<f16*>(nullptr)); break;
+    case DType::BF16: f(static_cast<bf16*>(nullptr)); break;
+  }
+}
 
 constexpr const char* kCodecNames[kNumCodecs] = {"none", "fp16", "bf16", "signsgd", "terngrad", "qsgd", "topk", "randomk"};
 constexpr const char* kValidCodecNames = "none, fp16, bf16, signsgd, terngrad, qsgd, topk, randomk";

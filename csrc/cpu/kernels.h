@@ -97,14 +97,5 @@ const char* cpu_isa();
 // Bounds check of a topk payload's indices (shared by every variant).
 std::string validate_topk_indices(const uint8_t* payload, const PayloadHeader&);
 
-// Calls f with a null pointer of the C++ element type for a wire dtype.
-template <typename F>
-void visit_dtype(DType dtype, F&& f) {
-  switch (dtype) {
-    case DType::F32: f(static_cast<float*>(nullptr)); break;
-    case DType::F16: f(static_cast<f16*>(nullptr)); break;
-    case DType::BF16: f(static_cast<bf16*>(nullptr)); break;
-  }
-}
 
 }  // namespace gradcomp

@@ -270,8 +270,10 @@ class _DecodeChecks:
                 event = torch.cuda.Event()
                 event.record()
             self._copies.append((key[0], copy, event))
-        landed = [c for c in self._copies if c[2].query()]
-        self._copies = [c for c in self._copies if all(c is not d for d in landed)]
+        pending, landed = [], []
+        for entry in self._copies:  # each event queried once
+            (landed if entry[2].query() else pending).append(entry)
+        self._copies = pending
         for step, copy, _ in landed:
             if int(copy.item()) != 0:  # a pinned host tensor: no sync
                 raise RuntimeError(f"gradcomp: malformed payloads in step {step}: "
