@@ -133,17 +133,89 @@ TEST(Half, RoundsToNearestEven) {
 }
 
 TEST(Reduce, MatchesTheDocumentedOrder) {
-  std::vector<float> x(10000);
-  for (size_t i = 0; i < x.size(); ++i) x[i] = std::sin(0.1f * i) * (1 + (i % 7));
+  std::vector<double> x(10000);
+  for (size_t i = 0; i < x.size(); ++i) x[i] = std::sin(0.1 * i) * (1 + (i % 7)) * (1 + 1e-9 * i);
   double expected = 0.0;
   for (size_t begin = 0; begin < x.size(); begin += kReduceChunk) {
-    float lanes[kLanes] = {};
+    double lanes[kLanes] = {};
     for (size_t i = begin; i < std::min(x.size(), begin + kReduceChunk); ++i) lanes[(i - begin) % kLanes] += x[i];
     for (int w = 16; w >= 1; w /= 2)
       for (int l = 0; l < w; ++l) lanes[l] += lanes[l + w];
     expected += lanes[0];
   }
   EXPECT_EQ(canonical_sum(x.size(), [&](int64_t i) { return x[i]; }), expected);
+}
+
+// The lanes are doubles: fp32 magnitudes and squares that would overflow fp32 lanes stay finite.
+TEST(Reduce, DoubleLanesDoNotOverflow) {
+  const float big = 3e38f;
+  std::vector<float> m(5000, 1.0f);
+  m[0] = big;
+  m[32] = -big;  // the same lane as m[0]
+  const double abs_sum = canonical_sum(m.size(), [&](int64_t i) { return static_cast<double>(std::fabs(m[i])); });
+  EXPECT_TRUE(std::isfinite(abs_sum));
+  EXPECT_EQ(static_cast<float>(abs_sum / m.size()), static_cast<float>((6e38 + 4998.0) / 5000.0));
+  m[0] = 1e20f;
+  m[32] = 1.0f;
+  const double squares = canonical_sum(m.size(), [&](int64_t i) {
+    const double v = m[i];
+    return v * v;
+  });
+  EXPECT_EQ(squares, static_cast<double>(1e20f) * static_cast<double>(1e20f) + 4999.0);
+  EXPECT_EQ(saturated_norm(squares), static_cast<float>(std::sqrt(squares)));
+  // 512 elements of FLT_MAX: a norm beyond fp32 saturates; NaN and Inf stay.
+  const double fmax = std::numeric_limits<float>::max();
+  EXPECT_EQ(saturated_norm(512 * fmax * fmax), std::numeric_limits<float>::max());
+  EXPECT_EQ(saturated_norm(fmax * fmax), std::numeric_limits<float>::max());
+  EXPECT_TRUE(std::isinf(saturated_norm(std::numeric_limits<double>::infinity())));
+  EXPECT_TRUE(std::isnan(saturated_norm(std::numeric_limits<double>::quiet_NaN())));
+}
+
+TEST(Saturating, ArithmeticSaturatesFiniteOverflowOnly) {
+  const float fmax = std::numeric_limits<float>::max(), inf = std::numeric_limits<float>::infinity();
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  EXPECT_EQ(add_saturating(3e38f, 3e38f), fmax);
+  EXPECT_EQ(add_saturating(-3e38f, -3e38f), -fmax);
+  EXPECT_EQ(sub_saturating(3e38f, -3e38f), fmax);
+  EXPECT_EQ(sub_saturating(-3e38f, 3e38f), -fmax);
+  EXPECT_EQ(mul_saturating(127.0f, 3e38f), fmax);
+  EXPECT_EQ(mul_saturating(-2.0f, 3e38f), -fmax);
+  EXPECT_EQ(add_saturating(1.5f, 2.25f), 3.75f);
+  EXPECT_EQ(sub_saturating(1.5f, 2.25f), -0.75f);
+  EXPECT_EQ(mul_saturating(1.5f, 2.0f), 3.0f);
+  EXPECT_EQ(add_saturating(inf, 1.0f), inf);  // a real Inf stays
+  EXPECT_EQ(add_saturating(1.0f, -inf), -inf);
+  EXPECT_EQ(mul_saturating(inf, 2.0f), inf);
+  EXPECT_TRUE(std::isnan(add_saturating(inf, -inf)));
+  EXPECT_TRUE(std::isnan(add_saturating(nan, 1.0f)));
+  EXPECT_TRUE(std::isnan(sub_saturating(1.0f, nan)));
+  EXPECT_TRUE(std::isnan(mul_saturating(0.0f, inf)));
+}
+
+TEST(Saturating, StoresSaturateFiniteValuesOnly) {
+  const float inf = std::numeric_limits<float>::infinity(), nan = std::numeric_limits<float>::quiet_NaN();
+  EXPECT_EQ(from_float_saturating<f16>(1e5f).bits, 0x7BFFu);  // 65504
+  EXPECT_EQ(from_float_saturating<f16>(-1e5f).bits, 0xFBFFu);
+  EXPECT_EQ(from_float_saturating<f16>(65519.0f).bits, 0x7BFFu);  // rounds to 65504 anyway
+  EXPECT_EQ(from_float_saturating<f16>(65520.0f).bits, 0x7BFFu);  // would round to Inf
+  EXPECT_EQ(from_float_saturating<f16>(3e38f).bits, 0x7BFFu);
+  EXPECT_EQ(from_float_saturating<f16>(inf).bits, 0x7C00u);
+  EXPECT_EQ(from_float_saturating<f16>(-inf).bits, 0xFC00u);
+  EXPECT_EQ(from_float_saturating<f16>(nan).bits, from_float<f16>(nan).bits);
+  EXPECT_EQ(from_float_saturating<bf16>(std::numeric_limits<float>::max()).bits, 0x7F7Fu);
+  EXPECT_EQ(from_float_saturating<bf16>(-std::numeric_limits<float>::max()).bits, 0xFF7Fu);
+  EXPECT_EQ(from_float<bf16>(std::numeric_limits<float>::max()).bits, 0x7F80u);  // what plain rounding gives
+  EXPECT_EQ(from_float_saturating<bf16>(inf).bits, 0x7F80u);
+  EXPECT_EQ(from_float_saturating<bf16>(nan).bits, 0x7FC0u);
+  EXPECT_EQ(to_float(bf16{0x7F7F}), 3.3895314e38f);
+  EXPECT_EQ(from_float_saturating<float>(std::numeric_limits<float>::max()), std::numeric_limits<float>::max());
+  EXPECT_EQ(from_float_saturating<float>(-inf), -inf);
+  // Below the overflow threshold the saturating store is the plain one, for every fp16 input.
+  for (uint32_t u = 0; u < 0x477FF000u; u += 4099) {  // up to 65520, where fp16 rounding overflows
+    const float x = bits_float(u);
+    EXPECT_EQ(from_float_saturating<f16>(x).bits, from_float<f16>(x).bits);
+    EXPECT_EQ(from_float_saturating<bf16>(-x).bits, from_float<bf16>(-x).bits);
+  }
 }
 
 TEST(Wire, HeaderIsPackedAndLayoutsAreExact) {
