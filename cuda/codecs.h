@@ -30,7 +30,7 @@ struct DecodeParams {
                                       // the first 16-byte aligned
   int64_t count = 0;
   void* out = nullptr;    // numel elements of expected.dtype, overwritten
-  float alpha = 1.0f;     // out = alpha * sum of the decoded payloads
+  float alpha = 1.0f;     // out = sum of alpha * each decoded payload (alpha applied first)
   bool vote = false;      // signsgd only: majority vote of the signs, scaled by the summed scales
   uint32_t* status = nullptr;  // one device word; the DecodeProblem bits this call finds are OR-ed into it
   void* workspace = nullptr;   // decode_workspace_bytes(expected, count) bytes, 256-byte aligned

@@ -9,16 +9,17 @@ template <typename T, typename W, bool kResidual>
 __global__ void encode_dense_kernel(const T* grad, T* residual, W* wire, int64_t n) {
   GC_GRID_LOOP(i, n) {
     const float m = compensated<kResidual>(grad, residual, i);
-    const W w = from_float<W>(m);
+    const W w = from_float_saturating<W>(m);
     wire[i] = w;
-    if constexpr (kResidual) residual[i] = from_float<T>(m - to_float(w));
+    if constexpr (kResidual) residual[i] = residual_value<T>(m, to_float(w));
   }
 }
 
 template <typename W>
 struct DecodeWire {
+  float alpha;
   __device__ float operator()(const uint8_t* payload, int64_t i) const {
-    return to_float(field<W>(payload, kHeaderBytes)[i]);
+    return alpha * to_float(field<W>(payload, kHeaderBytes)[i]);
   }
 };
 
@@ -54,7 +55,7 @@ void encode_dense(const EncodeParams& p, cudaStream_t stream) {
 
 void decode_dense(const DecodeParams& d, cudaStream_t stream) {
   visit_wire(d.expected, [&](auto* t, auto* w) {
-    launch_sum_decoded<Elem<decltype(t)>>(d, DecodeWire<Elem<decltype(w)>>{}, stream);
+    launch_sum_decoded<Elem<decltype(t)>>(d, DecodeWire<Elem<decltype(w)>>{d.alpha}, stream);
   });
 }
 

@@ -35,11 +35,24 @@ void visit_encode(const EncodeParams& p, F&& f) {
 template <typename T>
 using Elem = std::remove_pointer_t<T>;
 
-// The gradient plus the old residual, in fp32: what a codec compresses under error feedback.
+// The gradient plus the old residual, in fp32: what a codec compresses under error feedback. A
+// finite sum beyond fp32 saturates to +-FLT_MAX (add_saturating, common/hd.h), as on the CPU.
 template <bool kResidual, typename T>
 __device__ __forceinline__ float compensated(const T* grad, const T* residual, int64_t i) {
-  if constexpr (kResidual) return to_float(grad[i]) + to_float(residual[i]);
+  if constexpr (kResidual) return add_saturating(to_float(grad[i]), to_float(residual[i]));
   return to_float(grad[i]);
+}
+
+// M = grad + residual rounded to T (topk, randomk), saturating both the sum and the rounding.
+template <typename T>
+__device__ __forceinline__ T compensated_value(const T* grad, const T* residual, int64_t i) {
+  return from_float_saturating<T>(add_saturating(to_float(grad[i]), to_float(residual[i])));
+}
+
+// residual = m - decoded, saturating (the CPU's store_residuals).
+template <typename T>
+__device__ __forceinline__ T residual_value(float m, float decoded) {
+  return from_float_saturating<T>(sub_saturating(m, decoded));
 }
 
 template <typename T>
@@ -53,22 +66,22 @@ __device__ __forceinline__ T* field(uint8_t* payload, int64_t offset) {
 }
 
 // chunk_lane_sum (common/reduce.h) computed by one warp: lane j takes the elements j, j + 32, ...
-// of the chunk in order, then the halving tree of shuffles. The result is in lane 0.
+// of the chunk in order, in a double, then the halving tree of shuffles. The result is in lane 0.
 template <typename Value>
-__device__ __forceinline__ float warp_chunk_lane_sum(int64_t begin, int64_t end, const Value& value) {
+__device__ __forceinline__ double warp_chunk_lane_sum(int64_t begin, int64_t end, const Value& value) {
   const int lane = threadIdx.x & 31;
-  float acc = 0.0f;
-  for (int64_t i = begin + lane; i < end; i += kLanes) acc += value(i);
+  double acc = 0.0;
+  for (int64_t i = begin + lane; i < end; i += kLanes) acc += static_cast<double>(value(i));
   for (int width = kLanes / 2; width >= 1; width /= 2) acc = acc + __shfl_down_sync(0xFFFFFFFFu, acc, width);
   return acc;
 }
 
 // canonical_sum over segments of segment_len elements of [0, n) (the last may be shorter), in two
-// launches: one warp per chunk writes its lane sum, then one thread per segment adds its chunks in
-// order in double precision and hands the total to finish(segment, total, segment length).
+// launches: one warp per chunk writes its lane sum (a double), then one thread per segment adds its
+// chunks in order in double precision and hands the total to finish(segment, total, segment length).
 template <typename Value>
 __global__ void segment_chunk_sums(int64_t n, int64_t segment_len, int64_t chunks_per_segment, Value value,
-                                   float* partial) {
+                                   double* partial) {
   const int64_t warps = ceil_div(n, segment_len) * chunks_per_segment;
   const int64_t warps_per_grid = static_cast<int64_t>(gridDim.x) * (blockDim.x / kLanes);
   for (int64_t w = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kLanes; w < warps;
@@ -77,13 +90,13 @@ __global__ void segment_chunk_sums(int64_t n, int64_t segment_len, int64_t chunk
     const int64_t segment_end = min(n, (segment + 1) * segment_len);
     const int64_t begin = segment * segment_len + chunk * kReduceChunk;
     const int64_t end = min(segment_end, begin + kReduceChunk);
-    const float sum = begin < end ? warp_chunk_lane_sum(begin, end, value) : 0.0f;
+    const double sum = begin < end ? warp_chunk_lane_sum(begin, end, value) : 0.0;
     if ((threadIdx.x & 31) == 0) partial[w] = sum;
   }
 }
 
 template <typename Finish>
-__global__ void segment_totals(int64_t n, int64_t segment_len, int64_t chunks_per_segment, const float* partial,
+__global__ void segment_totals(int64_t n, int64_t segment_len, int64_t chunks_per_segment, const double* partial,
                                Finish finish) {
   const int64_t segments = ceil_div(n, segment_len);
   for (int64_t s = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; s < segments;
@@ -99,13 +112,13 @@ inline int64_t chunks_per_segment(int64_t n, int64_t segment_len) {
   return std::max<int64_t>(1, ceil_div(std::min(n, segment_len), kReduceChunk));
 }
 
-// Workspace floats segment_sums needs.
+// Workspace doubles segment_sums needs.
 inline int64_t segment_sum_partials(int64_t n, int64_t segment_len) {
   return n == 0 ? 0 : ceil_div(n, segment_len) * chunks_per_segment(n, segment_len);
 }
 
 template <typename Value, typename Finish>
-void segment_sums(int64_t n, int64_t segment_len, const Value& value, const Finish& finish, float* partial,
+void segment_sums(int64_t n, int64_t segment_len, const Value& value, const Finish& finish, double* partial,
                   cudaStream_t stream) {
   if (n == 0) return;
   const int64_t per_segment = chunks_per_segment(n, segment_len);
@@ -120,15 +133,16 @@ void segment_sums(int64_t n, int64_t segment_len, const Value& value, const Fini
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < (count); \
        i += static_cast<int64_t>(gridDim.x) * blockDim.x)
 
-// out[i] = from_float<T>(alpha * sum over payloads p, in order, of decoded(payload p, i)), fp32
-// accumulation from 0: the CPU's sum_payloads, one thread per element.
+// out[i] = from_float_saturating<T>(sum over payloads p, in order, of decoded(payload p, i)), fp32
+// add_saturating accumulation from 0: the CPU's sum_payloads, one thread per element. decoded gives the payload's
+// value already multiplied by alpha (folded into its scale or step, as the CPU's add functions do).
 template <typename T, typename Decoded>
-__global__ void sum_decoded(const uint8_t* payloads, int64_t count, int64_t stride, int64_t n, float alpha, T* out,
+__global__ void sum_decoded(const uint8_t* payloads, int64_t count, int64_t stride, int64_t n, T* out,
                             Decoded decoded) {
   GC_GRID_LOOP(i, n) {
     float acc = 0.0f;
-    for (int64_t p = 0; p < count; ++p) acc += decoded(payloads + p * stride, i);
-    out[i] = from_float<T>(acc * alpha);
+    for (int64_t p = 0; p < count; ++p) acc = add_saturating(acc, decoded(payloads + p * stride, i));
+    out[i] = from_float_saturating<T>(acc);
   }
 }
 
@@ -136,7 +150,7 @@ template <typename T, typename Decoded>
 void launch_sum_decoded(const DecodeParams& d, const Decoded& decoded, cudaStream_t stream) {
   const int64_t n = d.expected.numel;
   if (n == 0) return;
-  sum_decoded<<<blocks_for(n), kThreads, 0, stream>>>(d.payloads, d.count, body_layout(d.expected).total, n, d.alpha,
+  sum_decoded<<<blocks_for(n), kThreads, 0, stream>>>(d.payloads, d.count, body_layout(d.expected).total, n,
                                                       static_cast<T*>(d.out), decoded);
 }
 

@@ -10,16 +10,16 @@ template <typename T, bool kResidual>
 struct SquareCompensated {
   const T* grad;
   const T* residual;
-  __device__ float operator()(int64_t i) const {
-    const float v = compensated<kResidual>(grad, residual, i);
-    return v * v;
+  __device__ double operator()(int64_t i) const {
+    const double v = compensated<kResidual>(grad, residual, i);
+    return v * v;  // exact in double
   }
 };
 
 struct BlockNorm {
   float* norms;
   __device__ void operator()(int64_t block, double total, int64_t) const {
-    norms[block] = sqrtf(static_cast<float>(total));
+    norms[block] = saturated_norm(total);
   }
 };
 
@@ -42,8 +42,8 @@ __global__ void levels_kernel(const T* grad, T* residual, int64_t n, int64_t blo
       const int32_t floor_r = static_cast<int32_t>(r);
       const int32_t level = floor_r + (u < r - static_cast<float>(floor_r) ? 1 : 0);
       const int32_t negative = m < 0.0f ? 1 : 0;
-      const float magnitude = static_cast<float>(level) * step;
-      if constexpr (kResidual) residual[e] = from_float<T>(m - (negative ? -magnitude : magnitude));
+      const float magnitude = mul_saturating(static_cast<float>(level), step);
+      if constexpr (kResidual) residual[e] = residual_value<T>(m, negative ? -magnitude : magnitude);
       return static_cast<uint32_t>((level << 1) | negative);
     });
     __syncthreads();
@@ -73,6 +73,7 @@ struct DecodeLevels {
   int64_t codes, stream_bytes, block;
   int bits;
   float levels;
+  float alpha;
   __device__ float operator()(const uint8_t* payload, int64_t i) const {
     const uint8_t* stream = payload + codes;
     const int64_t at = i * bits, byte = at / 8;
@@ -80,7 +81,8 @@ struct DecodeLevels {
     if (byte + 1 < stream_bytes) window |= static_cast<uint32_t>(stream[byte + 1]) << 8;
     if (byte + 2 < stream_bytes) window |= static_cast<uint32_t>(stream[byte + 2]) << 16;
     const uint32_t code = (window >> (at % 8)) & ((1u << bits) - 1u);
-    const float magnitude = static_cast<float>(code >> 1) * (field<float>(payload, kHeaderBytes)[i / block] / levels);
+    const float step = alpha * (field<float>(payload, kHeaderBytes)[i / block] / levels);
+    const float magnitude = mul_saturating(static_cast<float>(code >> 1), step);
     return (code & 1u) ? -magnitude : magnitude;
   }
 };
@@ -88,7 +90,7 @@ struct DecodeLevels {
 }  // namespace
 
 size_t qsgd_encode_workspace(const PayloadHeader& h) {
-  return sizeof(float) * segment_sum_partials(h.numel, h.param1);
+  return sizeof(double) * segment_sum_partials(h.numel, h.param1);
 }
 
 void encode_qsgd(const EncodeParams& p, cudaStream_t stream) {
@@ -104,7 +106,7 @@ void encode_qsgd(const EncodeParams& p, cudaStream_t stream) {
     const T* grad = static_cast<const T*>(p.grad);
     T* residual = static_cast<T*>(p.residual);
     segment_sums(n, h.param1, SquareCompensated<T, kResidual>{grad, residual}, BlockNorm{norms},
-                 static_cast<float*>(p.workspace), stream);
+                 static_cast<double*>(p.workspace), stream);
     levels_kernel<T, kResidual><<<blocks_for(n, kSuperTile), kThreads, 0, stream>>>(
         grad, residual, n, h.param1, h.param0, qsgd_code_bits(h.param0), norms, key, p.payload + layout.codes);
   });
@@ -114,7 +116,7 @@ void decode_qsgd(const DecodeParams& d, cudaStream_t stream) {
   const PayloadHeader& h = d.expected;
   const BodyLayout layout = body_layout(h);
   const DecodeLevels decoded{layout.codes, layout.end - layout.codes, h.param1, qsgd_code_bits(h.param0),
-                             static_cast<float>(h.param0)};
+                             static_cast<float>(h.param0), d.alpha};
   visit_dtype(static_cast<DType>(h.dtype),
               [&](auto* t) { launch_sum_decoded<Elem<decltype(t)>>(d, decoded, stream); });
 }

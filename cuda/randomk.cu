@@ -7,7 +7,7 @@ namespace {
 
 template <typename T>
 __global__ void add_residual_kernel(const T* grad, T* residual, int64_t n) {
-  GC_GRID_LOOP(i, n) residual[i] = from_float<T>(to_float(grad[i]) + to_float(residual[i]));
+  GC_GRID_LOOP(i, n) residual[i] = compensated_value(grad, residual, i);
 }
 
 // pi is a bijection: each j owns its element, so the residual is zeroed without races.
@@ -29,8 +29,9 @@ __global__ void scatter_sums_kernel(const uint8_t* payloads, int64_t count, int6
   const IndexPermutation pi(static_cast<uint32_t>(n), RandomKey{h.seed, h.step, h.bucket, 0});
   GC_GRID_LOOP(j, k) {
     float sum = 0.0f;
-    for (int64_t p = 0; p < count; ++p) sum += to_float(field<T>(payloads + p * stride, kHeaderBytes)[j]);
-    out[pi(static_cast<uint32_t>(j))] = from_float<T>(sum * alpha);
+    for (int64_t p = 0; p < count; ++p)
+      sum = add_saturating(sum, alpha * to_float(field<T>(payloads + p * stride, kHeaderBytes)[j]));
+    out[pi(static_cast<uint32_t>(j))] = from_float_saturating<T>(sum);
   }
 }
 

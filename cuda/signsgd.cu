@@ -10,7 +10,9 @@ template <typename T, bool kResidual>
 struct AbsCompensated {
   const T* grad;
   const T* residual;
-  __device__ float operator()(int64_t i) const { return fabsf(compensated<kResidual>(grad, residual, i)); }
+  __device__ double operator()(int64_t i) const {
+    return static_cast<double>(fabsf(compensated<kResidual>(grad, residual, i)));
+  }
 };
 
 struct MeanScale {
@@ -34,7 +36,7 @@ __global__ void signs_kernel(const T* grad, T* residual, int64_t n, const float*
     if (i < n) {
       const float m = compensated<kResidual>(grad, residual, i);
       positive = !(m < 0.0f);
-      if constexpr (kResidual) residual[i] = from_float<T>(m - (positive ? scale : -scale));
+      if constexpr (kResidual) residual[i] = residual_value<T>(m, positive ? scale : -scale);
     }
     const uint32_t word = __ballot_sync(0xFFFFFFFFu, positive);
     if ((threadIdx.x & 31) == 0 && i < n) words[i / 32] = word;
@@ -43,8 +45,9 @@ __global__ void signs_kernel(const T* grad, T* residual, int64_t n, const float*
 
 struct DecodeSign {
   int64_t codes;
+  float alpha;
   __device__ float operator()(const uint8_t* payload, int64_t i) const {
-    const float scale = *field<float>(payload, kHeaderBytes);
+    const float scale = alpha * *field<float>(payload, kHeaderBytes);
     return ((payload[codes + i / 8] >> (i % 8)) & 1) ? scale : -scale;
   }
 };
@@ -52,20 +55,21 @@ struct DecodeSign {
 template <typename T>
 __global__ void vote_kernel(const uint8_t* payloads, int64_t count, int64_t stride, int64_t codes, int64_t n,
                             float alpha, T* out) {
-  float scale_sum = 0.0f;
-  for (int64_t p = 0; p < count; ++p) scale_sum += *field<float>(payloads + p * stride, kHeaderBytes);
-  const float magnitude = alpha * scale_sum;
+  float magnitude = 0.0f;  // the CPU's order: sum over payloads of alpha * scale, from +0
+  for (int64_t p = 0; p < count; ++p)
+    magnitude = add_saturating(magnitude, alpha * *field<float>(payloads + p * stride, kHeaderBytes));
+  const float tie = 0.0f * magnitude;
   GC_GRID_LOOP(i, n) {
     float votes = 0.0f;  // each sign counts +1 or -1
     for (int64_t p = 0; p < count; ++p) votes += ((payloads[p * stride + codes + i / 8] >> (i % 8)) & 1) ? 1.0f : -1.0f;
-    out[i] = from_float<T>(votes > 0 ? magnitude : votes < 0 ? -magnitude : 0.0f);
+    out[i] = from_float_saturating<T>(votes > 0 ? magnitude : votes < 0 ? -magnitude : tie);
   }
 }
 
 }  // namespace
 
 size_t signsgd_encode_workspace(const PayloadHeader& h) {
-  return sizeof(float) * segment_sum_partials(h.numel, h.numel);
+  return sizeof(double) * segment_sum_partials(h.numel, h.numel);
 }
 
 void encode_signsgd(const EncodeParams& p, cudaStream_t stream) {
@@ -82,7 +86,7 @@ void encode_signsgd(const EncodeParams& p, cudaStream_t stream) {
     const T* grad = static_cast<const T*>(p.grad);
     T* residual = static_cast<T*>(p.residual);
     segment_sums(n, n, AbsCompensated<T, kResidual>{grad, residual}, MeanScale{scale, n},
-                 static_cast<float*>(p.workspace), stream);
+                 static_cast<double*>(p.workspace), stream);
     signs_kernel<T, kResidual><<<blocks_for(n), kThreads, 0, stream>>>(grad, residual, n, scale, words);
   });
 }
@@ -92,7 +96,7 @@ void decode_signsgd(const DecodeParams& d, cudaStream_t stream) {
   visit_dtype(static_cast<DType>(d.expected.dtype), [&](auto* t) {
     using T = Elem<decltype(t)>;
     if (!d.vote) {
-      launch_sum_decoded<T>(d, DecodeSign{codes}, stream);
+      launch_sum_decoded<T>(d, DecodeSign{codes, d.alpha}, stream);
     } else if (n > 0) {
       vote_kernel<<<blocks_for(n), kThreads, 0, stream>>>(d.payloads, d.count, body_layout(d.expected).total, codes, n,
                                                           d.alpha, static_cast<T*>(d.out));

@@ -29,7 +29,7 @@ __global__ void ternary_kernel(const T* grad, T* residual, int64_t n, const uint
       const bool nonzero = u < fabsf(m) * inverse;
       const bool negative = m < 0.0f;
       const float q = nonzero ? (negative ? -1.0f : 1.0f) : 0.0f;
-      if constexpr (kResidual) residual[e] = from_float<T>(m - q * scale);
+      if constexpr (kResidual) residual[e] = residual_value<T>(m, q * scale);
       return static_cast<uint32_t>(nonzero | ((nonzero & negative) << 1));
     });
     __syncthreads();
@@ -43,10 +43,11 @@ __global__ void ternary_kernel(const T* grad, T* residual, int64_t n, const uint
 
 struct DecodeTernary {
   int64_t codes;
+  float alpha;
   __device__ float operator()(const uint8_t* payload, int64_t i) const {
     const uint32_t code = (payload[codes + i / 4] >> (2 * (i % 4))) & 3u;
     const float q = (code & 1u) ? ((code & 2u) ? -1.0f : 1.0f) : 0.0f;
-    return q * *field<float>(payload, kHeaderBytes);
+    return q * (alpha * *field<float>(payload, kHeaderBytes));
   }
 };
 
@@ -77,7 +78,7 @@ void encode_terngrad(const EncodeParams& p, cudaStream_t stream) {
 
 void decode_terngrad(const DecodeParams& d, cudaStream_t stream) {
   visit_dtype(static_cast<DType>(d.expected.dtype), [&](auto* t) {
-    launch_sum_decoded<Elem<decltype(t)>>(d, DecodeTernary{body_layout(d.expected).codes}, stream);
+    launch_sum_decoded<Elem<decltype(t)>>(d, DecodeTernary{body_layout(d.expected).codes, d.alpha}, stream);
   });
 }
 

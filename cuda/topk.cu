@@ -50,7 +50,7 @@ __global__ void prepare_and_histogram(const T* grad, T* residual, int64_t n, uin
   GC_GRID_LOOP(i, n) {
     T m = grad[i];
     if constexpr (kResidual) {
-      m = from_float<T>(to_float(grad[i]) + to_float(residual[i]));
+      m = compensated_value(grad, residual, i);
       residual[i] = m;
     }
     atomicAdd(&local[magnitude_key(to_float(m)) >> (31 - kTopBits)], 1u);
@@ -174,23 +174,23 @@ template <typename T>
 __global__ void scatter_single(const int32_t* indices, const T* values, int64_t k, int64_t n, float alpha, T* out) {
   GC_GRID_LOOP(j, k) {
     const int32_t i = indices[j];
-    if (i >= 0 && i < n) out[i] = from_float<T>((0.0f + to_float(values[j])) * alpha);
+    if (i >= 0 && i < n) out[i] = from_float_saturating<T>(0.0f + alpha * to_float(values[j]));
   }
 }
 
 // Indices within one payload are distinct (checked: strictly ascending), so one payload's adds do
 // not race; payloads go one launch each, in order, as the CPU adds them.
 template <typename T>
-__global__ void scatter_add(const int32_t* indices, const T* values, int64_t k, int64_t n, float* sums) {
+__global__ void scatter_add(const int32_t* indices, const T* values, int64_t k, int64_t n, float alpha, float* sums) {
   GC_GRID_LOOP(j, k) {
     const int32_t i = indices[j];
-    if (i >= 0 && i < n) sums[i] += to_float(values[j]);
+    if (i >= 0 && i < n) sums[i] = add_saturating(sums[i], alpha * to_float(values[j]));
   }
 }
 
 template <typename T>
-__global__ void scale_sums(const float* sums, int64_t n, float alpha, T* out) {
-  GC_GRID_LOOP(i, n) out[i] = from_float<T>(sums[i] * alpha);
+__global__ void store_sums(const float* sums, int64_t n, T* out) {
+  GC_GRID_LOOP(i, n) out[i] = from_float_saturating<T>(sums[i]);
 }
 
 }  // namespace
@@ -256,7 +256,7 @@ void decode_topk(const DecodeParams& d, cudaStream_t stream) {
     T* out = static_cast<T*>(d.out);
     const auto indices = [&](int64_t p) { return reinterpret_cast<const int32_t*>(d.payloads + p * stride + layout.codes); };
     const auto values = [&](int64_t p) { return reinterpret_cast<const T*>(d.payloads + p * stride + layout.values); };
-    if (d.count == 1) {  // each index written once: (0 + v) * alpha
+    if (d.count == 1) {  // each index written once: 0 + alpha * v
       fill<<<blocks_for(n), kThreads, 0, stream>>>(out, n, from_float<T>(0.0f));
       scatter_single<<<blocks_for(k), kThreads, 0, stream>>>(indices(0), values(0), k, n, d.alpha, out);
       return;
@@ -264,8 +264,9 @@ void decode_topk(const DecodeParams& d, cudaStream_t stream) {
     float* sums = std::is_same_v<T, float> ? reinterpret_cast<float*>(out) : static_cast<float*>(d.workspace);
     fill<<<blocks_for(n), kThreads, 0, stream>>>(sums, n, 0.0f);
     for (int64_t p = 0; p < d.count; ++p)
-      scatter_add<<<blocks_for(k), kThreads, 0, stream>>>(indices(p), values(p), k, n, sums);
-    scale_sums<<<blocks_for(n), kThreads, 0, stream>>>(sums, n, d.alpha, out);
+      scatter_add<<<blocks_for(k), kThreads, 0, stream>>>(indices(p), values(p), k, n, d.alpha, sums);
+    if constexpr (!std::is_same_v<T, float>)  // fp32 sums are already in out
+      store_sums<<<blocks_for(n), kThreads, 0, stream>>>(sums, n, out);
   });
 }
 

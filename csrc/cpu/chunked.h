@@ -44,18 +44,19 @@ void parallel_chunks(ParallelFor parallel_for, int64_t n, int64_t chunk, F&& f) 
 // canonical_sum (reduce.h) with its chunks summed in parallel, then added in chunk order.
 template <typename Value>
 double parallel_canonical_sum(ParallelFor parallel_for, int64_t len, Value&& value) {
-  std::vector<float> partial(ceil_div(len, kReduceChunk));
+  std::vector<double> partial(ceil_div(len, kReduceChunk));
   parallel_chunks(parallel_for, len, kReduceChunk,
                   [&](int64_t begin, int64_t n) { partial[begin / kReduceChunk] = chunk_lane_sum(begin, begin + n, value); });
   double total = 0.0;
-  for (float p : partial) total += p;
+  for (double p : partial) total += p;
   return total;
 }
 
-// The gradient plus the old residual, in fp32: what a codec compresses under error feedback.
+// The gradient plus the old residual, in fp32: what a codec compresses under error feedback. A
+// finite sum beyond fp32 saturates to +-FLT_MAX (add_saturating, hd.h).
 template <bool kResidual, typename T>
 inline float compensated(const T* grad, const T* residual, int64_t i) {
-  if constexpr (kResidual) return to_float(grad[i]) + to_float(residual[i]);
+  if constexpr (kResidual) return add_saturating(to_float(grad[i]), to_float(residual[i]));
   return to_float(grad[i]);
 }
 
@@ -64,10 +65,17 @@ inline void load_compensated(const T* grad, const T* residual, int64_t begin, in
   for (int64_t i = 0; i < len; ++i) m[i] = compensated<kResidual>(grad, residual, begin + i);
 }
 
-// residual = m - decoded over one chunk.
+// residual = m - decoded over one chunk, saturating: the fp32 difference (sub_saturating) and its
+// rounding to T (from_float_saturating).
 template <typename T>
 inline void store_residuals(T* residual, int64_t begin, int64_t len, const float* m, const float* decoded) {
-  for (int64_t i = 0; i < len; ++i) residual[begin + i] = from_float<T>(m[i] - decoded[i]);
+  for (int64_t i = 0; i < len; ++i) residual[begin + i] = from_float_saturating<T>(sub_saturating(m[i], decoded[i]));
+}
+
+// M = grad + residual rounded to T (topk, randomk), saturating both the sum and the rounding.
+template <typename T>
+inline T compensated_value(const T* grad, const T* residual, int64_t i) {
+  return from_float_saturating<T>(add_saturating(to_float(grad[i]), to_float(residual[i])));
 }
 
 // Calls f(grad_type, std::bool_constant<has residual>) for an encode call.
@@ -94,8 +102,12 @@ void visit_encode(const EncodeArgs& a, F&& f) {
 
 constexpr int64_t kDecodeChunk = 2048;
 
-// out[i] = alpha * sum over payloads p (in order) of decoded_p[i], accumulated in fp32.
-// add(payload, begin, len, acc) adds payload's decoded values [begin, begin + len) into acc.
+// out[i] = sum over payloads p (in order) of alpha * decoded_p[i], accumulated in fp32 from +0 with
+// add_saturating and stored with from_float_saturating<T>. alpha is applied to each payload's
+// contribution before it is added (folded into the payload's scale or step where the codec has
+// one), so ranks whose mean is representable do not overflow the sum; where rounding alone would
+// still carry a sum of finite contributions past FLT_MAX, it saturates. add(payload, begin, len,
+// acc) adds payload's alpha-weighted decoded values [begin, begin + len) into acc that way.
 // The chunk start is always a multiple of kDecodeChunk (a multiple of 8, so bit codes align).
 template <typename T, typename AddPayload>
 void sum_payloads(const DecodeArgs& args, int64_t numel, AddPayload&& add) {
@@ -106,7 +118,7 @@ void sum_payloads(const DecodeArgs& args, int64_t numel, AddPayload&& add) {
       const int64_t len = std::min(kDecodeChunk, numel - begin);
       std::fill(acc, acc + len, 0.0f);
       for (int64_t p = 0; p < args.count; ++p) add(args.payloads + p * args.stride, begin, len, acc);
-      for (int64_t i = 0; i < len; ++i) out[begin + i] = from_float<T>(acc[i] * args.alpha);
+      for (int64_t i = 0; i < len; ++i) out[begin + i] = from_float_saturating<T>(acc[i]);
     }
   });
 }
@@ -132,14 +144,15 @@ inline const ByteTables& byte_tables() {
   return tables;
 }
 
-// acc[i] += table[code i] * scale for len codes packed kPerByte to a byte, from a byte boundary.
+// acc[i] = add_saturating(acc[i], table[code i] * scale) for len codes packed kPerByte to a byte,
+// from a byte boundary.
 template <int kPerByte>
 inline void add_byte_codes(const float (*table)[kPerByte], const uint8_t* bytes, int64_t len, float scale,
                            float* acc) {
   int64_t i = 0;
   for (; i + kPerByte <= len; i += kPerByte)
-    for (int j = 0; j < kPerByte; ++j) acc[i + j] += table[bytes[i / kPerByte]][j] * scale;
-  for (; i < len; ++i) acc[i] += table[bytes[i / kPerByte]][i % kPerByte] * scale;
+    for (int j = 0; j < kPerByte; ++j) acc[i + j] = add_saturating(acc[i + j], table[bytes[i / kPerByte]][j] * scale);
+  for (; i < len; ++i) acc[i] = add_saturating(acc[i], table[bytes[i / kPerByte]][i % kPerByte] * scale);
 }
 
 template <typename T>

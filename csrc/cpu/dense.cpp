@@ -1,5 +1,9 @@
 // none, fp16, bf16: every element travels, in the gradient's dtype or rounded to 16 bits
 // (round-to-nearest-even). Body: n values of the wire type.
+// The wire value is from_float_saturating<W>(m): a finite m beyond the wire type's range travels
+// as +-its largest finite value (an fp32 1e5 under fp16 travels as 65504), and with error
+// feedback the rest stays in the residual. NaN and Inf travel as themselves.
+// decode_sum adds, per payload in order, alpha * value (fp32 add_saturating, from +0).
 #include "chunked.h"
 
 namespace gradcomp::GC_CODECS_NS {
@@ -13,7 +17,7 @@ void encode_chunk(const T* grad, T* residual, W* wire, int64_t begin, int64_t le
   float m[kChunk], decoded[kChunk];
   load_compensated<kResidual>(grad, residual, begin, len, m);
   for (int64_t i = 0; i < len; ++i) {
-    wire[begin + i] = from_float<W>(m[i]);
+    wire[begin + i] = from_float_saturating<W>(m[i]);
     decoded[i] = to_float(wire[begin + i]);
   }
   if constexpr (kResidual) store_residuals(residual, begin, len, m, decoded);
@@ -31,9 +35,10 @@ void encode_as(const EncodeArgs& a) {
 
 template <typename T, typename W>
 void decode_as(const DecodeArgs& a, const PayloadHeader& h) {
-  sum_payloads<T>(a, h.numel, [](const uint8_t* payload, int64_t begin, int64_t len, float* acc) {
+  const float alpha = a.alpha;
+  sum_payloads<T>(a, h.numel, [alpha](const uint8_t* payload, int64_t begin, int64_t len, float* acc) {
     const W* wire = field<W>(payload, kHeaderBytes) + begin;
-    for (int64_t i = 0; i < len; ++i) acc[i] += to_float(wire[i]);
+    for (int64_t i = 0; i < len; ++i) acc[i] = add_saturating(acc[i], alpha * to_float(wire[i]));
   });
 }
 

@@ -32,7 +32,7 @@ struct DecodeArgs {
   int64_t count = 0;
   int64_t stride = 0;
   void* out = nullptr;  // numel elements of the header's dtype, overwritten
-  float alpha = 1.0f;   // out = alpha * sum of the decoded payloads
+  float alpha = 1.0f;   // out = sum of alpha * each decoded payload (alpha applied first)
   bool vote = false;    // signsgd only: majority vote of the signs, scaled by the summed scales
   ParallelFor parallel_for = nullptr;
 };

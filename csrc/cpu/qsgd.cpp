@@ -1,12 +1,19 @@
-// qsgd with s levels and blocks of B elements. Per block: norm = sqrtf((float) canonical sum of
-// the fp32 products m * m); element m becomes sign(m) * level * (norm / s) where
-// r = |m| * inverse with inverse = s / norm (0 when norm is 0 or not finite), r = 0 if NaN, r is
-// clamped to s, level = floor(r) + (u < r - floor(r)), so the decoded value is unbiased;
+// qsgd with s levels and blocks of B elements. Per block: norm = saturated_norm(total) (reduce.h):
+// total the canonical sum (double lanes) of the exact double squares (double)m * (double)m, norm
+// the double square root rounded to fp32, FLT_MAX if it lies beyond fp32. Element m becomes
+// sign(m) * mul_saturating(level, step) with step = norm / s, where r = |m| * inverse with
+// inverse = s / norm (0 when norm is 0 or not finite), r = 0 if NaN, r is clamped to s,
+// level = floor(r) + (u < r - floor(r)), so the decoded value is unbiased;
 // u = unit_uniform(rounding_word(key, i)) for element i. Body: ceil(n / B)
 // fp32 norms, then a little-endian bit stream of n codes of w = 1 + ceil(log2(s + 1)) bits:
 // code = (level << 1) | (m < 0), element i at bits [i*w, i*w + w).
-// A block holding NaN or Inf, or whose squares overflow fp32 (|m| around 1.8e19 and above), has
-// a non-finite norm and decodes as NaN.
+// A block holding NaN or Inf has a non-finite norm and decodes as NaN. For finite m nothing
+// overflows: the squares and their sum are in double; |m| * inverse is at most about s (and
+// clamped); a subnormal norm whose inverse overflows gives r = Inf (clamped to s) or 0 * Inf =
+// NaN (taken as 0); level * step can round above FLT_MAX when norm is near FLT_MAX, and
+// mul_saturating (hd.h) makes that FLT_MAX.
+// decode_sum adds, per payload in order, +-mul_saturating(level, alpha * (norm / s)) (fp32
+// add_saturating, from +0).
 #include <cmath>
 #include <cstring>
 
@@ -94,7 +101,7 @@ void quantize_piece(const T* grad, T* residual, const float* __restrict u, float
     const int32_t level = floor_r + (u[i] < r - static_cast<float>(floor_r) ? 1 : 0);
     const int32_t negative = m[i] < 0.0f ? 1 : 0;
     code[i] = static_cast<uint32_t>((level << 1) | negative);
-    const float magnitude = static_cast<float>(level) * step;
+    const float magnitude = mul_saturating(static_cast<float>(level), step);
     decoded[i] = negative ? -magnitude : magnitude;
   }
   if constexpr (kResidual) store_residuals(residual, piece, len, m, decoded);
@@ -114,10 +121,10 @@ void encode_typed(const EncodeArgs& a) {
   const RandomKey key{h.seed, h.step, h.bucket, a.rank};
   const auto block_norm = [&](int64_t b) {
     const int64_t begin = b * block, len = std::min(block, n - begin);
-    return std::sqrt(static_cast<float>(canonical_sum(len, [&](int64_t i) {
-      const float v = compensated<kResidual>(grad, residual, begin + i);
+    return saturated_norm(canonical_sum(len, [&](int64_t i) {
+      const double v = compensated<kResidual>(grad, residual, begin + i);
       return v * v;
-    })));
+    }));
   };
   // The work goes in fixed slices of whole pairs (each pair's codes are packed by its slice). Small
   // blocks are normed where they are quantized, while in cache, except those that straddle two
@@ -177,10 +184,10 @@ void decode_typed(const DecodeArgs& a, const PayloadHeader& h) {
     for (int64_t segment = begin; segment < begin + len;) {  // runs of one block
       const int64_t b = segment / block;
       const int64_t end = std::min((b + 1) * block, begin + len);
-      const float step = norms[b] / levels;
+      const float step = a.alpha * (norms[b] / levels);
       for (int64_t e = segment; e < end; ++e) {
-        const float magnitude = static_cast<float>(code[e - begin] >> 1) * step;
-        acc[e - begin] += (code[e - begin] & 1u) ? -magnitude : magnitude;
+        const float magnitude = mul_saturating(static_cast<float>(code[e - begin] >> 1), step);
+        acc[e - begin] = add_saturating(acc[e - begin], (code[e - begin] & 1u) ? -magnitude : magnitude);
       }
       segment = end;
     }

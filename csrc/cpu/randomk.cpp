@@ -2,7 +2,10 @@
 // rounded to the gradient's dtype), where pi is the IndexPermutation keyed by (seed, step,
 // bucket): every rank picks the same indices, so the payloads can be summed by an allreduce.
 // Body: the k values, in that order, in the gradient's dtype; no indices travel.
-// Error feedback leaves M in the residual with the sent elements zeroed.
+// Error feedback leaves M in the residual with the sent elements zeroed. M saturates: the fp32
+// sum with add_saturating and its rounding with from_float_saturating (hd.h, half.h).
+// decode_sum: per chosen element, an fp32 sum from +0 adding alpha * value per payload in order
+// with add_saturating, stored with from_float_saturating; the other elements are 0.
 #include "chunked.h"
 
 namespace gradcomp::GC_CODECS_NS {
@@ -18,7 +21,7 @@ void encode_typed(const EncodeArgs& a) {
   if (residual) {
     parallel_chunks(a.parallel_for, n, 1024, [&](int64_t begin, int64_t len) {
       for (int64_t i = begin; i < begin + len; ++i)
-        residual[i] = from_float<T>(to_float(grad[i]) + to_float(residual[i]));
+        residual[i] = compensated_value(grad, residual, i);
     });
   }
   const T* m = residual ? residual : grad;
@@ -41,8 +44,9 @@ void decode_typed(const DecodeArgs& a, const PayloadHeader& h) {
   for_ranges(a.parallel_for, k, kElementsPerTask / 8, [&](int64_t first, int64_t last) {
     for (int64_t j = first; j < last; ++j) {
       float sum = 0.0f;
-      for (int64_t p = 0; p < a.count; ++p) sum += to_float(field<T>(a.payloads + p * a.stride, kHeaderBytes)[j]);
-      out[pi(static_cast<uint32_t>(j))] = from_float<T>(sum * a.alpha);
+      for (int64_t p = 0; p < a.count; ++p)
+        sum = add_saturating(sum, a.alpha * to_float(field<T>(a.payloads + p * a.stride, kHeaderBytes)[j]));
+      out[pi(static_cast<uint32_t>(j))] = from_float_saturating<T>(sum);
     }
   });
 }

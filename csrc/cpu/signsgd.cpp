@@ -1,7 +1,13 @@
 // signsgd: one sign bit per element and one fp32 scale, the mean |m| of the bucket
-// (m = gradient + residual): scale = (float)(canonical sum of |m| / n), the division in double. Body: scale, then ceil(n / 8) bytes; element i is bit (i % 8) of
+// (m = gradient + residual): scale = (float)(total / n), total the canonical sum (reduce.h, double
+// lanes) of (double)|m| and the division in double; it cannot overflow for finite m (the mean is
+// at most max |m| <= FLT_MAX). Body: scale, then ceil(n / 8) bytes; element i is bit (i % 8) of
 // byte i / 8, 1 for "+" (m >= 0, or NaN) and 0 for "-" (m < 0). Element i decodes to +scale or
-// -scale. With vote, decode-and-sum gives alpha * (sum of scales) * sign(sum of signs), 0 on a tie.
+// -scale. decode_sum adds, per payload in order, +-(alpha * scale) (fp32 add_saturating, from +0).
+// With vote: magnitude = sum over payloads in order of (alpha * scale), fp32 add_saturating from
+// +0, and the
+// element is +magnitude, -magnitude or, on a tie, 0.0f * magnitude (+0 for a finite magnitude,
+// NaN for a non-finite one).
 #include "chunked.h"
 
 namespace gradcomp::GC_CODECS_NS {
@@ -36,7 +42,8 @@ void encode_typed(const EncodeArgs& a) {
   T* residual = static_cast<T*>(a.residual);
   const int64_t n = a.header.numel;
   const double total = parallel_canonical_sum(
-      a.parallel_for, n, [&](int64_t i) { return __builtin_fabsf(compensated<kResidual>(grad, residual, i)); });
+      a.parallel_for, n,
+      [&](int64_t i) { return static_cast<double>(__builtin_fabsf(compensated<kResidual>(grad, residual, i))); });
   const float scale = n > 0 ? static_cast<float>(total / static_cast<double>(n)) : 0.0f;
   *field<float>(a.payload, kHeaderBytes) = scale;
   uint8_t* bits = a.payload + body_layout(a.header).codes;
@@ -50,21 +57,22 @@ void decode_typed(const DecodeArgs& a, const PayloadHeader& h) {
   const int64_t codes = body_layout(h).codes;
   if (!a.vote) {
     sum_payloads<T>(a, h.numel, [&](const uint8_t* payload, int64_t begin, int64_t len, float* acc) {
-      add_byte_codes<8>(byte_tables().sign, payload + codes + begin / 8, len, *field<float>(payload, kHeaderBytes),
-                        acc);
+      add_byte_codes<8>(byte_tables().sign, payload + codes + begin / 8, len,
+                        a.alpha * *field<float>(payload, kHeaderBytes), acc);
     });
     return;
   }
-  float scale_sum = 0.0f;
-  for (int64_t p = 0; p < a.count; ++p) scale_sum += *field<float>(a.payloads + p * a.stride, kHeaderBytes);
-  const float magnitude = a.alpha * scale_sum;
+  float magnitude = 0.0f;
+  for (int64_t p = 0; p < a.count; ++p)
+    magnitude = add_saturating(magnitude, a.alpha * *field<float>(a.payloads + p * a.stride, kHeaderBytes));
+  const float tie = 0.0f * magnitude;
   T* out = static_cast<T*>(a.out);
   parallel_chunks(a.parallel_for, h.numel, kDecodeChunk, [&](int64_t begin, int64_t len) {
     float votes[kDecodeChunk] = {};
     for (int64_t p = 0; p < a.count; ++p)  // each sign counts +1 or -1
       add_byte_codes<8>(byte_tables().sign, a.payloads + p * a.stride + codes + begin / 8, len, 1.0f, votes);
     for (int64_t i = 0; i < len; ++i)
-      out[begin + i] = from_float<T>(votes[i] > 0 ? magnitude : votes[i] < 0 ? -magnitude : 0.0f);
+      out[begin + i] = from_float_saturating<T>(votes[i] > 0 ? magnitude : votes[i] < 0 ? -magnitude : tie);
   });
 }
 

@@ -4,6 +4,10 @@
 // i / 4: bit 0 "non-zero", bit 1 "negative". Element i is non-zero when
 // unit_uniform(rounding_word(key, i)) < |m| * (1 / scale).
 // A NaN or Inf anywhere makes the scale non-finite, and the whole bucket then decodes as NaN.
+// For finite m (at most FLT_MAX, compensated() saturates) nothing overflows: q * scale is exact,
+// and a subnormal scale whose inverse overflows to Inf sends every non-zero element as +-scale
+// (|m| * Inf = Inf) and no zero one (0 * Inf = NaN): still finite.
+// decode_sum adds, per payload in order, q * (alpha * scale) (fp32 add_saturating, from +0).
 #include "chunked.h"
 #include "simd.h"
 
@@ -66,8 +70,8 @@ template <typename T>
 void decode_typed(const DecodeArgs& a, const PayloadHeader& h) {
   const int64_t offset = body_layout(h).codes;
   sum_payloads<T>(a, h.numel, [&](const uint8_t* payload, int64_t begin, int64_t len, float* acc) {
-    add_byte_codes<4>(byte_tables().ternary, payload + offset + begin / 4, len, *field<float>(payload, kHeaderBytes),
-                      acc);
+    add_byte_codes<4>(byte_tables().ternary, payload + offset + begin / 4, len,
+                      a.alpha * *field<float>(payload, kHeaderBytes), acc);
   });
 }
 

@@ -2,7 +2,10 @@
 // rounded to the gradient's dtype). Magnitude order is that of magnitude_key: NaN above Inf above
 // every finite value, -0 equal to +0; among equal magnitudes the lower index wins.
 // Body: k int32 indices in ascending order, then their k values of M in the gradient's dtype.
-// Error feedback leaves M in the residual with the sent elements zeroed.
+// Error feedback leaves M in the residual with the sent elements zeroed. M saturates: the fp32
+// sum with add_saturating and its rounding with from_float_saturating (hd.h, half.h).
+// decode_sum: out = 0 + alpha * value for one payload; for several, fp32 sums from +0 adding
+// alpha * value per payload in order with add_saturating; stored with from_float_saturating.
 //
 // Selection works on magnitude keys (bins = their top 11 bits) in one pass over the data: a
 // sample of 2^16 keys (256 evenly spaced runs of 256, cheap to read) estimates a bin that at
@@ -77,7 +80,7 @@ void gather_range(const T* grad, T* residual, int64_t begin, int64_t end, uint32
     const int64_t len = std::min(kChunk, end - first);
     if (residual) {
       for (int64_t i = 0; i < len; ++i) {
-        residual[first + i] = from_float<T>(to_float(grad[first + i]) + to_float(residual[first + i]));
+        residual[first + i] = compensated_value(grad, residual, first + i);
         keys[i] = key_of(residual, first + i);
       }
     } else {
@@ -115,7 +118,7 @@ void encode_typed(const EncodeArgs& a) {
   const T* m = residual ? residual : grad;  // M, once the pass below has run
 
   const uint32_t lowest_key = estimated_lowest_key(n, k, [&](int64_t i) {
-    return magnitude_key(to_float(residual ? from_float<T>(to_float(grad[i]) + to_float(residual[i])) : grad[i]));
+    return magnitude_key(to_float(residual ? compensated_value(grad, residual, i) : grad[i]));
   });
   Candidates candidates;
   gather(a.parallel_for, grad, residual, n, lowest_key, candidates);
@@ -148,12 +151,12 @@ void decode_typed(const DecodeArgs& a, const PayloadHeader& h) {
   const BodyLayout layout = body_layout(h);
   T* out = static_cast<T*>(a.out);
   std::fill(out, out + n, from_float<T>(0.0f));
-  if (a.count == 1) {  // each index written once: (0 + v) * alpha
+  if (a.count == 1) {  // each index written once: 0 + alpha * v
     const int32_t* indices = field<int32_t>(a.payloads, layout.codes);
     const T* values = field<T>(a.payloads, layout.values);
     for (int64_t j = 0; j < k; ++j)  // validated already; the bound check keeps any race in bounds
       if (static_cast<uint32_t>(indices[j]) < static_cast<uint64_t>(n))
-        out[indices[j]] = from_float<T>((0.0f + to_float(values[j])) * a.alpha);
+        out[indices[j]] = from_float_saturating<T>(0.0f + a.alpha * to_float(values[j]));
     return;
   }
   std::vector<float> scratch;  // fp32 sums: in out itself when out is fp32
@@ -166,9 +169,10 @@ void decode_typed(const DecodeArgs& a, const PayloadHeader& h) {
     const int32_t* indices = field<int32_t>(a.payloads + p * a.stride, layout.codes);
     const T* values = field<T>(a.payloads + p * a.stride, layout.values);
     for (int64_t j = 0; j < k; ++j)
-      if (static_cast<uint32_t>(indices[j]) < static_cast<uint64_t>(n)) sums[indices[j]] += to_float(values[j]);
+      if (static_cast<uint32_t>(indices[j]) < static_cast<uint64_t>(n)) sums[indices[j]] = add_saturating(sums[indices[j]], a.alpha * to_float(values[j]));
   }
-  for (int64_t i = 0; i < n; ++i) out[i] = from_float<T>(sums[i] * a.alpha);
+  if constexpr (!std::is_same_v<T, float>)  // fp32 sums are already in out
+    for (int64_t i = 0; i < n; ++i) out[i] = from_float_saturating<T>(sums[i]);
 }
 
 }  // namespace

@@ -227,7 +227,7 @@ TEST(Validate, RefusesPayloadsThatDisagree) {
 }
 
 TEST(SignSGD, MajorityVote) {
-  // Three ranks: votes +,+,- -> +; scales sum to 6; alpha 1/3 gives magnitude 2.
+  // Three ranks: votes +,+,- -> +; scales 1, 2, 3; alpha 1/3 applied to each scale gives about 2.
   std::vector<uint8_t> stacked;
   const float rows[3][4] = {{1, 1, -1, 1}, {2, -2, -2, 2}, {-3, 3, -3, 3}};
   for (const auto& row : rows) {
@@ -235,7 +235,8 @@ TEST(SignSGD, MajorityVote) {
     stacked.insert(stacked.end(), p.begin(), p.end());
   }
   const auto out = decode(stacked, 3, 4, 1.0f / 3, true);
-  const float magnitude = (1.0f / 3) * (1.0f + 2.0f + 3.0f);
+  const float alpha = 1.0f / 3;
+  const float magnitude = ((0.0f + alpha * 1.0f) + alpha * 2.0f) + alpha * 3.0f;  // alpha first, in payload order
   EXPECT_EQ(out[0], magnitude);
   EXPECT_EQ(out[1], magnitude);
   EXPECT_EQ(out[2], -magnitude);

@@ -13,8 +13,10 @@ loops run over payloads, blocks of 32 summation lanes, Philox rounds or Feistel 
 into 16-bit halves so that nothing overflows int64.
 
 Two torch behaviours the reference works around (seen with torch 2.13 on an AVX-512 CPU):
-  * torch.sqrt is not correctly rounded (about 0.6% of fp32 inputs are one ulp off); sqrt_rn
-    corrects it with exact midpoint tests, as std::sqrt(float) is correctly rounded.
+  * torch.sqrt is not correctly rounded (about 0.6% of fp32 inputs are one ulp off, and about
+    0.8% of float64 ones); sqrt_rn corrects the fp32 one with exact midpoint tests, as
+    std::sqrt(float) is correctly rounded, and qsgd's float64 norms use math.sqrt (IEEE correctly
+    rounded, as std::sqrt(double) and CUDA's sqrt(double)) per block.
   * torch's fp16/bf16 -> fp32 conversions may drop a NaN's sign; to_float widens bit-exactly.
 
 Public names (imported by tests and benchmarks):
@@ -31,6 +33,7 @@ __all__ = [
     "CODEC_IDS", "DTYPE_IDS", "HEADER_BYTES", "PAYLOAD_ALIGN", "MAGIC", "FORMAT_VERSION",
     "philox4x32_10", "mix32", "ref_uniforms", "ref_randomk_indices", "canonical_sum", "round_to", "to_float",
     "ref_encode", "ref_decode_sum", "ref_payload_nbytes", "ref_validate", "parse_header", "qsgd_code_bits", "sqrt_rn",
+    "round_to_saturating", "add_saturating", "sub_saturating", "mul_saturating", "saturated_norm", "FLT_MAX",
 ]
 
 MASK32 = 0xFFFFFFFF
@@ -44,6 +47,7 @@ MAX_STOCHASTIC_NUMEL = 1 << 34
 SHARED_STREAM = 0xFFFFFFFF
 REDUCE_LANES = 32
 REDUCE_CHUNK = 4096
+FLT_MAX = 3.4028234663852886e38
 
 CODEC_IDS = {"none": 0, "fp16": 1, "bf16": 2, "signsgd": 3, "terngrad": 4, "qsgd": 5, "topk": 6, "randomk": 7}
 CODEC_NAMES = {v: k for k, v in CODEC_IDS.items()}
@@ -193,6 +197,21 @@ def to_float(x: torch.Tensor) -> torch.Tensor:
     return y
 
 
+def round_to_saturating(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """from_float_saturating<T>: round_to, except that a finite x that rounds to +-Inf becomes the
+    dtype's largest finite value with x's sign (fp16 65504, bf16 3.3895314e38 = 0x7F7F; no finite
+    fp32 overflows fp32). NaN and Inf stay NaN and Inf."""
+    y = round_to(x, dtype)
+    if dtype == torch.float32:
+        return y
+    x = x.to(torch.float32)
+    overflow = torch.isinf(y) & torch.isfinite(x)
+    if bool(overflow.any()):
+        top = torch.tensor(torch.finfo(dtype).max, dtype=dtype)
+        y = torch.where(overflow, torch.where(x < 0, -top, top), y)
+    return y
+
+
 def round_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """from_float<T>: fp32 -> dtype, round to nearest even; NaN becomes the canonical quiet NaN
     (fp16: sign | 0x7E00, as c10::Half; bf16: 0x7FC0 whatever the sign, as c10::BFloat16)."""
@@ -212,34 +231,68 @@ def round_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def canonical_sum(values: torch.Tensor) -> torch.Tensor:
-    """Canonical sums of the rows of a [rows, length] fp32 tensor, as float64 [rows].
+    """Canonical sums of the rows of a [rows, length] float64 tensor, as float64 [rows].
 
-    Rows are cut into chunks of 4096; in a chunk, 32 fp32 lanes, lane j adding elements j, j + 32,
-    ... (chunk-relative) in index order starting from +0, then the halving tree lane i += lane
-    i + 16, + 8, + 4, + 2, + 1; chunk results are added in chunk order in double precision.
+    Rows are cut into chunks of 4096; in a chunk, 32 float64 lanes, lane j adding elements j,
+    j + 32, ... (chunk-relative) in index order starting from +0, then the halving tree lane i +=
+    lane i + 16, + 8, + 4, + 2, + 1; chunk results are added in chunk order in double precision.
     Zero padding leaves every lane unchanged (lanes start at +0 and x + 0 == x).
     """
-    values = values.to(torch.float32)
+    values = values.to(torch.float64)
     rows, length = values.shape
     total = torch.zeros(rows, dtype=torch.float64)
     if length == 0:
         return total
     chunk = min(REDUCE_CHUNK, -(-length // REDUCE_LANES) * REDUCE_LANES)
     chunks = -(-length // chunk)
-    padded = torch.zeros(rows, chunks * chunk, dtype=torch.float32)
+    padded = torch.zeros(rows, chunks * chunk, dtype=torch.float64)
     padded[:, :length] = values
     padded = padded.view(rows, chunks, chunk // REDUCE_LANES, REDUCE_LANES)
-    lanes = torch.zeros(rows, chunks, REDUCE_LANES, dtype=torch.float32)
+    lanes = torch.zeros(rows, chunks, REDUCE_LANES, dtype=torch.float64)
     for r in range(padded.shape[2]):
         lanes = lanes + padded[:, :, r, :]
     width = REDUCE_LANES // 2
     while width >= 1:
         lanes = lanes[..., :width] + lanes[..., width:2 * width]
         width //= 2
-    per_chunk = lanes[..., 0].to(torch.float64)
+    per_chunk = lanes[..., 0]
     for c in range(chunks):
         total = total + per_chunk[:, c]
     return total
+
+
+def _saturate_overflow(a: torch.Tensor, b: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
+    """result, except +-FLT_MAX (result's sign) where finite a and b gave a non-finite result."""
+    overflow = torch.isfinite(a) & torch.isfinite(b) & ~torch.isfinite(result)
+    return torch.where(overflow, torch.copysign(torch.tensor(FLT_MAX, dtype=torch.float32), result), result)
+
+
+def add_saturating(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """add_saturating (hd.h): fp32 a + b; finite operands whose sum overflows give +-FLT_MAX,
+    NaN or Inf operands the IEEE sum."""
+    a, b = torch.broadcast_tensors(a.to(torch.float32), b.to(torch.float32))
+    return _saturate_overflow(a, b, a + b)
+
+
+def sub_saturating(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    a, b = torch.broadcast_tensors(a.to(torch.float32), b.to(torch.float32))
+    return _saturate_overflow(a, b, a - b)
+
+
+def mul_saturating(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    a, b = torch.broadcast_tensors(a.to(torch.float32), b.to(torch.float32))
+    return _saturate_overflow(a, b, a * b)
+
+
+def saturated_norm(sum_of_squares: torch.Tensor) -> torch.Tensor:
+    """saturated_norm (reduce.h): the correctly rounded float64 square root (math.sqrt, one call
+    per block: torch.sqrt on float64 is not correctly rounded), rounded to fp32; a finite root
+    beyond FLT_MAX gives FLT_MAX, NaN and Inf stay."""
+    import math
+    roots = torch.tensor([math.sqrt(v) if v >= 0 else float("nan") for v in sum_of_squares.tolist()],
+                         dtype=torch.float64)
+    beyond = (roots > FLT_MAX) & torch.isfinite(roots)
+    return torch.where(beyond, torch.tensor(FLT_MAX, dtype=torch.float64), roots).to(torch.float32)
 
 
 def sqrt_rn(x: torch.Tensor) -> torch.Tensor:
@@ -426,7 +479,8 @@ def _header_bytes(codec_id, dtype_id, n, p0, p1, seed, step, bucket) -> torch.Te
 
 def _signsgd_body(m: torch.Tensor):
     n = m.numel()
-    scale = (canonical_sum(m.abs().view(1, -1))[0] / n).to(torch.float32) if n else torch.tensor(0.0)
+    # (double)|m| summed in double lanes, divided by n in double, rounded to fp32
+    scale = (canonical_sum(m.abs().double().view(1, -1))[0] / n).to(torch.float32) if n else torch.tensor(0.0)
     positive = ~(m < 0)  # m >= 0, -0 and NaN all count as "+"
     decoded = torch.where(positive, scale, -scale)
     body = torch.cat([_as_bytes(scale.reshape(1)), _pack_bits(positive)])
@@ -455,7 +509,8 @@ def _qsgd_body(m: torch.Tensor, levels: int, block: int, seed, step, bucket, ran
     padded = torch.zeros(nblocks * width, dtype=torch.float32)
     padded[:n] = m
     rows = padded.view(nblocks, width) if n else padded.view(0, 0)
-    norms = sqrt_rn(canonical_sum(rows * rows).to(torch.float32))  # fp32 sum of squares, fp32 sqrt
+    rows64 = rows.double()
+    norms = saturated_norm(canonical_sum(rows64 * rows64))  # exact double squares, double sum and sqrt
     s = torch.tensor(float(levels), dtype=torch.float32)
     usable = (norms > 0) & torch.isfinite(norms)
     inverse = torch.where(usable, s / torch.where(usable, norms, 1.0), 0.0)
@@ -468,7 +523,7 @@ def _qsgd_body(m: torch.Tensor, levels: int, block: int, seed, step, bucket, ran
     u = ref_uniforms(n, seed, step, bucket, rank)
     level = floor_r.to(torch.int64) + (u < r - floor_r).to(torch.int64)
     negative = m < 0
-    magnitude = level.to(torch.float32) * step_size[elem_block]
+    magnitude = mul_saturating(level.to(torch.float32), step_size[elem_block])
     decoded = torch.where(negative, -magnitude, magnitude)
     codes = (level << 1) | negative.to(torch.int64)
     body = torch.cat([_as_bytes(norms), _codes_to_stream(codes, qsgd_code_bits(levels))])
@@ -483,8 +538,9 @@ def _topk_select(values: torch.Tensor, k: int) -> torch.Tensor:
 
 def _sent_values(g: torch.Tensor, m: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
     """M in the gradient's dtype, for topk / randomk: the fp32 sum rounded to the gradient's dtype,
-    or, without a residual, the gradient itself (no arithmetic, so a NaN keeps its own bits)."""
-    return g.clone() if residual is None else round_to(m, g.dtype)
+    or, without a residual, the gradient itself (no arithmetic, so a NaN keeps its own bits).
+    The sum m is already saturated (add_saturating); its rounding saturates too."""
+    return g.clone() if residual is None else round_to_saturating(m, g.dtype)
 
 
 def ref_encode(codec: str, grad: torch.Tensor, residual: torch.Tensor | None = None, *, k: int = 0,
@@ -508,14 +564,14 @@ def ref_encode(codec: str, grad: torch.Tensor, residual: torch.Tensor | None = N
         if residual.dtype != dtype or residual.numel() != n:
             raise ValueError("residual must match the gradient's dtype and element count")
         res = residual.detach().reshape(-1)
-        m = to_float(g) + to_float(res)
+        m = add_saturating(to_float(g), to_float(res))
     else:
         m = to_float(g).clone()
 
     new_residual = None
     if codec in ("none", "fp16", "bf16"):
         wire_dtype = {"none": dtype, "fp16": torch.float16, "bf16": torch.bfloat16}[codec]
-        wire = round_to(m, wire_dtype)
+        wire = round_to_saturating(m, wire_dtype)
         body = _as_bytes(wire)
         decoded = to_float(wire)
     elif codec == "signsgd":
@@ -542,7 +598,7 @@ def ref_encode(codec: str, grad: torch.Tensor, residual: torch.Tensor | None = N
         decoded = None
 
     if residual is not None and decoded is not None:
-        new_residual = round_to(m - decoded, dtype)
+        new_residual = round_to_saturating(sub_saturating(m, decoded), dtype)
     if new_residual is not None:
         new_residual = new_residual.view(residual.shape)
 
@@ -587,29 +643,34 @@ def ref_validate(payloads: torch.Tensor) -> str | None:
     return None
 
 
-def _decoded_one(payload: torch.Tensor, h: dict, lay: dict, randomk_idx: torch.Tensor | None = None) -> torch.Tensor:
-    """One payload's decoded values as a dense fp32 vector of numel elements (+0 where unsent)."""
+def _decoded_one(payload: torch.Tensor, h: dict, lay: dict, randomk_idx: torch.Tensor | None = None,
+                 alpha32: torch.Tensor | None = None) -> torch.Tensor:
+    """One payload's decoded values times alpha, as a dense fp32 vector of numel elements (+0 where
+    unsent). alpha is folded in first: alpha * scale (signsgd, terngrad), alpha * (norm / s)
+    (qsgd's step), alpha * value (none, fp16, bf16, topk, randomk)."""
+    if alpha32 is None:
+        alpha32 = torch.tensor(1.0, dtype=torch.float32)
     name = CODEC_NAMES[h["codec"]]
     n, p0, p1 = h["numel"], h["param0"], h["param1"]
     dtype = DTYPES[h["dtype"]]
     if name in ("none", "fp16", "bf16"):
         wire_dtype = {"none": dtype, "fp16": torch.float16, "bf16": torch.bfloat16}[name]
-        return to_float(_field(payload, HEADER_BYTES, n, wire_dtype))
+        return alpha32 * to_float(_field(payload, HEADER_BYTES, n, wire_dtype))
     if name == "signsgd":
-        scale = _field(payload, HEADER_BYTES, 1, torch.float32)[0]
+        scale = alpha32 * _field(payload, HEADER_BYTES, 1, torch.float32)[0]
         positive = _unpack_bits(payload[lay["codes"]: lay["end"]], n).bool()
         return torch.where(positive, scale, -scale)
     if name == "terngrad":
-        scale = _field(payload, HEADER_BYTES, 1, torch.float32)[0]
+        scale = alpha32 * _field(payload, HEADER_BYTES, 1, torch.float32)[0]
         codes = _stream_to_codes(payload[lay["codes"]: lay["end"]], n, 2)
         q = torch.where((codes & 1) == 1, torch.where((codes & 2) == 2, -1.0, 1.0), 0.0).to(torch.float32)
         return q * scale
     if name == "qsgd":
         nblocks = -(-n // p1)
         norms = _field(payload, HEADER_BYTES, nblocks, torch.float32)
-        step_size = norms / torch.tensor(float(p0), dtype=torch.float32)
+        step_size = alpha32 * (norms / torch.tensor(float(p0), dtype=torch.float32))
         codes = _stream_to_codes(payload[lay["codes"]: lay["end"]], n, qsgd_code_bits(p0))
-        magnitude = (codes >> 1).to(torch.float32) * step_size[torch.arange(n) // p1]
+        magnitude = mul_saturating((codes >> 1).to(torch.float32), step_size[torch.arange(n) // p1])
         return torch.where((codes & 1) == 1, -magnitude, magnitude)
     out = torch.zeros(n, dtype=torch.float32)
     if name == "topk":
@@ -618,14 +679,17 @@ def _decoded_one(payload: torch.Tensor, h: dict, lay: dict, randomk_idx: torch.T
     else:
         idx = randomk_idx if randomk_idx is not None else ref_randomk_indices(n, p0, h["seed"], h["step"], h["bucket"])
         values = to_float(_field(payload, HEADER_BYTES, p0, dtype))
-    out[idx] = values
+    out[idx] = alpha32 * values
     return out
 
 
 def ref_decode_sum(payloads: torch.Tensor, out_dtype: torch.dtype, alpha: float = 1.0,
                    vote: bool = False) -> torch.Tensor:
-    """alpha * sum of the decoded payloads, accumulated in fp32 in payload order from +0, then
-    rounded to out_dtype. With vote (signsgd), alpha * (sum of scales) * sign(sum of signs)."""
+    """Sum over the payloads, in order, of alpha * decoded payload (alpha applied to each payload
+    first), accumulated in fp32 from +0 with add_saturating, then rounded to out_dtype saturating.
+    With vote (signsgd): magnitude = sum over payloads of alpha * scale (fp32 add_saturating, from
+    +0), and each element is
+    +magnitude, -magnitude or, on a tie, 0 * magnitude."""
     if payloads.dim() == 1:
         payloads = payloads.unsqueeze(0)
     problem = ref_validate(payloads)
@@ -641,16 +705,16 @@ def ref_decode_sum(payloads: torch.Tensor, out_dtype: torch.dtype, alpha: float 
     n = h["numel"]
     alpha32 = torch.tensor(alpha, dtype=torch.float32)
     if vote:
-        scale_sum = torch.tensor(0.0, dtype=torch.float32)
+        magnitude = torch.tensor(0.0, dtype=torch.float32)
         votes = torch.zeros(n, dtype=torch.int64)
         for p in range(payloads.shape[0]):
-            scale_sum = scale_sum + _field(payloads[p], HEADER_BYTES, 1, torch.float32)[0]
+            magnitude = add_saturating(magnitude, alpha32 * _field(payloads[p], HEADER_BYTES, 1, torch.float32)[0])
             votes += _unpack_bits(payloads[p, lay["codes"]: lay["end"]], n) * 2 - 1
-        magnitude = alpha32 * scale_sum
-        result = torch.where(votes > 0, magnitude, torch.where(votes < 0, -magnitude, 0.0))
-        return round_to(result.to(torch.float32), out_dtype)
+        tie = torch.tensor(0.0, dtype=torch.float32) * magnitude
+        result = torch.where(votes > 0, magnitude, torch.where(votes < 0, -magnitude, tie))
+        return round_to_saturating(result.to(torch.float32), out_dtype)
     idx = ref_randomk_indices(n, h["param0"], h["seed"], h["step"], h["bucket"]) if name == "randomk" else None
     acc = torch.zeros(n, dtype=torch.float32)
     for p in range(payloads.shape[0]):
-        acc = acc + _decoded_one(payloads[p], h, lay, idx)
-    return round_to(acc * alpha32, out_dtype)
+        acc = add_saturating(acc, _decoded_one(payloads[p], h, lay, idx, alpha32))
+    return round_to_saturating(acc, out_dtype)
