@@ -11,7 +11,7 @@ namespace {
 
 // Exact payload bytes for a codec (wire name), dtype id, element count and parameters.
 int64_t payload_nbytes(const std::string& codec, int dtype, int64_t numel, int64_t param0, int64_t param1) {
-  const int id = codec_from_name(codec.c_str());
+  const int id = codec.find('\0') == std::string::npos ? codec_from_name(codec.c_str()) : -1;  // exact names only
   if (dtype < 0 || dtype >= kNumDTypes) throw py::value_error("dtype id " + std::to_string(dtype) + " is not 0 (float32), 1 (float16) or 2 (bfloat16)");
   if (id < 0) throw py::value_error("unknown codec '" + codec + "'; valid codecs: " + kValidCodecNames);
   const PayloadHeader h = make_header(static_cast<Codec>(id), static_cast<DType>(dtype), numel, param0, param1, RandomKey{});

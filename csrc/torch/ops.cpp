@@ -2,6 +2,9 @@
 // at::Tensor; everything below it works on raw pointers (csrc/cpu, cuda/). CUDA work goes on the
 // current stream of the tensors' device, with no host-device synchronisation except where a
 // caller asks decode_sum to check the payloads there and then (no status tensor given).
+#include <cstdio>
+#include <string>
+
 #include <ATen/ATen.h>
 #include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
@@ -43,9 +46,24 @@ uint32_t as_u32(int64_t value, const char* what) {
   return static_cast<uint32_t>(value);
 }
 
+// The codec whose wire name is exactly name: a name holding a NUL byte (which a C string would cut
+// short, so that "none\0junk" read as "none") is refused like any other unknown name.
 Codec codec_named(c10::string_view name) {
-  const int id = codec_from_name(std::string(name).c_str());
-  TORCH_CHECK_VALUE(id >= 0, "gradcomp: unknown codec '", name, "'; valid codecs: ", kValidCodecNames);
+  const std::string text(name);
+  const int id = text.find('\0') == std::string::npos ? codec_from_name(text.c_str()) : -1;
+  if (id < 0) {
+    std::string shown;  // the name as given, with control bytes escaped
+    for (const char c : text) {
+      if (static_cast<unsigned char>(c) < 0x20 || c == 0x7F) {
+        char buf[8];
+        std::snprintf(buf, sizeof buf, "\\x%02x", static_cast<unsigned>(static_cast<unsigned char>(c)));
+        shown += buf;
+      } else {
+        shown += c;
+      }
+    }
+    TORCH_CHECK_VALUE(false, "gradcomp: unknown codec '", shown, "'; valid codecs: ", kValidCodecNames);
+  }
   return static_cast<Codec>(id);
 }
 
