@@ -80,6 +80,8 @@ def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
             raise ValueError(f"{name}: expected key=value in the spec, got {item!r}")
         if key not in defaults:
             raise ValueError(f"{name}: unknown parameter {key!r}; valid parameters: {', '.join(defaults) or 'none'}")
+        if key in params:
+            raise ValueError(f"{name}: parameter {key!r} is given twice in the spec {spec!r}")
         params[key] = _parse_value(name, key, value, defaults[key])
     return name, params
 
@@ -98,7 +100,7 @@ def codec(spec: str, **params: Any) -> "Codec":
 
 
 def _check_range(codec_name: str, key: str, value: Any, low: float, high: float, *, low_open: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or (
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (isinstance(value, float) and math.isnan(value)) or (
             value <= low if low_open else value < low) or value > high:
         bracket = "(" if low_open else "["
         raise ValueError(f"{codec_name}: {key}={value!r} is outside {bracket}{low}, {high}]")
@@ -108,6 +110,12 @@ def _check_seed(codec_name: str, seed: Any) -> int:
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
         raise ValueError(f"{codec_name}: seed={seed!r} must be an integer in [0, 2^63)")
     return seed
+
+
+def _check_u32(codec_name: str, key: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**32:
+        raise ValueError(f"{codec_name}: {key}={value!r} must be an integer in [0, 2^32)")
+    return value
 
 
 def count_for_ratio(ratio: float, numel: int) -> int:
@@ -158,6 +166,8 @@ class PayloadCodec(Codec):
     def encode(self, grad: torch.Tensor, residual: torch.Tensor | None = None, *, step: int = 0,
                bucket: int = 0, rank: int = 0) -> torch.Tensor:
         """Payload of grad (+ residual); with a residual, leaves grad + residual - decoded in it."""
+        for key, value in (("step", step), ("bucket", bucket), ("rank", rank)):
+            _check_u32(self.name, key, value)
         p0, p1 = self.wire_params(grad.numel())
         return torch.ops.gradcomp.encode(grad, residual, self.name, p0, p1, self.seed, step, bucket, rank)
 
@@ -187,6 +197,31 @@ class PayloadCodec(Codec):
     def value_count(self, numel: int) -> int:
         """How many values an allreduce codec's body holds for numel gradient elements."""
         return numel
+
+    # What carries the non-finite verdict. Every payload shows a NaN or Inf of gradient + residual, or of
+    # the codec's own arithmetic, in a field that keeps it: allgather codecs in their scales, norms or
+    # values (magnitude_fields); allreduce codecs in the summed values themselves, plus flag_count values
+    # for a codec whose values do not cover every element (randomk).
+    flag_count = 0
+
+    def magnitude_fields(self, payloads: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """For allgather codecs: the fields of [count, bytes] payloads that are non-finite when what a rank
+        encoded was (views, no copy)."""
+        raise ValueError(f"{self.name} payloads are summed, not gathered")
+
+    def with_flag(self, values: torch.Tensor, compressed: torch.Tensor) -> torch.Tensor:
+        """For allreduce codecs: what to allreduce (values, and any flag for what they leave out of
+        compressed, the tensor the encode took its values from)."""
+        return values
+
+    def apply_flag(self, summed: torch.Tensor, values: torch.Tensor) -> None:
+        """After the allreduce: puts the summed values (made NaN by a raised flag) where decode reads them."""
+
+
+def _float_fields(payloads: torch.Tensor, offset: int, count: int, dtype: torch.dtype) -> torch.Tensor:
+    """count values of dtype at byte offset of every payload row, as a [rows, count] view."""
+    size = torch.empty((), dtype=dtype).element_size()
+    return payloads.view(-1, payloads.shape[-1])[:, offset: offset + count * size].view(dtype)
 
 
 @_register("none", {}, "n values in the gradient's dtype; allreduce (plain DDP)")
@@ -219,6 +254,9 @@ class SignSGD(PayloadCodec):
         super().__init__(error_feedback, vote=vote)
         self.vote = vote
 
+    def magnitude_fields(self, payloads, numel, dtype):
+        return _float_fields(payloads, HEADER_BYTES, 1, torch.float32)  # the scale, mean |m|
+
 
 @_register("terngrad", {"seed": 0, "error_feedback": False},
            "2n bits + fp32 max |g|, stochastic and unbiased; allgather")
@@ -226,6 +264,9 @@ class TernGrad(PayloadCodec):
     def __init__(self, seed: int = 0, error_feedback: bool = False):
         super().__init__(error_feedback, seed=seed)
         self.seed = _check_seed(self.name, seed)
+
+    def magnitude_fields(self, payloads, numel, dtype):
+        return _float_fields(payloads, HEADER_BYTES, 1, torch.float32)  # the scale, max |m|
 
 
 @_register("qsgd", {"levels": 15, "block": 512, "seed": 0, "error_feedback": False},
@@ -242,6 +283,9 @@ class QSGD(PayloadCodec):
     def wire_params(self, numel):
         return self.levels, self.block
 
+    def magnitude_fields(self, payloads, numel, dtype):
+        return _float_fields(payloads, HEADER_BYTES, -(-numel // self.block), torch.float32)  # the block norms
+
 
 @_register("topk", {"ratio": 0.01, "error_feedback": True},
            "k = ceil(ratio*n) largest |g|: k int32 indices + k values; allgather")
@@ -253,6 +297,10 @@ class TopK(PayloadCodec):
 
     def wire_params(self, numel):
         return count_for_ratio(self.ratio, numel), 0
+
+    def magnitude_fields(self, payloads, numel, dtype):
+        k = count_for_ratio(self.ratio, numel)  # NaN and Inf rank above every finite |m|: they are sent
+        return _float_fields(payloads, HEADER_BYTES + 4 * k, k, dtype)  # the values, after k int32 indices
 
 
 @_register("randomk", {"ratio": 0.01, "seed": 0, "error_feedback": True},
@@ -270,3 +318,14 @@ class RandomK(PayloadCodec):
 
     def value_count(self, numel):
         return count_for_ratio(self.ratio, numel)
+
+    flag_count = 1  # the unsent elements' verdict: 0, or NaN when one of them is not finite
+
+    def with_flag(self, values, compressed):
+        summed = torch.empty(values.numel() + 1, dtype=values.dtype, device=values.device)
+        summed[:-1].copy_(values)
+        summed[-1:].copy_(torch.where(torch.isfinite(compressed).all(), 0.0, float("nan")).reshape(1))
+        return summed
+
+    def apply_flag(self, summed, values):
+        torch.mul(summed[:-1], summed[-1:] + 1, out=values)  # times exactly 1, or NaN

@@ -13,12 +13,13 @@ One bucket, one step:
     powersgd: per tensor, P then Q allreduced (see powersgd.PowerSGDBucket).
 Everything is asynchronous: collectives return futures and the next stage runs in a callback.
 
-Non-finite gradients: before a bucket is compressed, the ranks agree (one 4-byte allreduce) whether
-any of them holds a NaN or Inf in it. If one does, nothing of the codec runs for that bucket that
-step: with nonfinite="allreduce" (the default) it goes by plain allreduce, so the averaged gradient
-is exactly what DDP alone would deliver (AMP's GradScaler sees the Inf and skips the step); with
-nonfinite="skip" it does not travel at all and arrives as NaN on every rank. Either way residuals
-and PowerSGD's Q are left as they were, so the steps after it are not poisoned.
+Non-finite gradients: no extra collective and no host-device sync decide them. A NaN or Inf in a
+rank's gradient + residual, or one the codec's own arithmetic would make, shows in that rank's payload
+(a scale, norm or value; randomk adds one flag value to its allreduce) and survives the collective, so
+every rank sees the same verdict in the data it receives. Such a bucket arrives non-finite on every
+rank (AMP's GradScaler skips the step everywhere), and every rank keeps the residuals and PowerSGD's Q
+it had before the step: each step writes its residual and Q into a second buffer, which becomes the
+state only when the bucket's data is finite (on CUDA by a device-side select).
 
 State lives per bucket (keyed by bucket.index()) and per parameter inside it, so when DDP lays its
 buckets out anew (its rebuild after the first step, or a fresh process resuming a checkpoint)
@@ -28,23 +29,26 @@ those saved buckets, so a resumed run repeats the uninterrupted one bit for bit.
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import threading
 import time
 import warnings
+import weakref
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from . import _ops
+from ._futures import value_or_raise
+from ._tensors import check_saved_tensors, check_tensor, keep_if_finite
 from .codecs import PayloadCodec, codec as make_codec
 from .powersgd import PowerSGD, PowerSGDBucket
 
 logger = logging.getLogger("gradcomp")
 STATS_KEYS = ("raw_bytes", "wire_bytes", "encode_s", "decode_s", "buckets", "compressed_buckets", "nonfinite_buckets")
-NONFINITE_POLICIES = ("allreduce", "skip")
 STATE_FORMAT = 1
 _STATS_LOCK = threading.Lock()  # stats are a few additions per bucket: one lock for every state will do
 
@@ -57,10 +61,11 @@ class PayloadBucket:
         self.shapes = [torch.Size(s) for s in shapes]
         self.numel = sum(s.numel() for s in self.shapes)
         if codec.collective == "allreduce":
-            self.wire_bytes = codec.value_count(self.numel) * codec.wire_dtype(dtype).itemsize
+            self.wire_bytes = (codec.value_count(self.numel) + codec.flag_count) * codec.wire_dtype(dtype).itemsize
         else:
             self.wire_bytes = codec.payload_nbytes(self.numel, dtype)
         self.residual = torch.zeros(self.numel, dtype=dtype, device=device) if codec.error_feedback else None
+        self._spare = None  # the residual a step writes, kept only if the step's data is finite
 
     @property
     def device(self):
@@ -69,11 +74,17 @@ class PayloadBucket:
     def launch(self, step, flat: torch.Tensor, views) -> torch.futures.Future:
         started = time.perf_counter()
         codec = self.codec
-        payload = codec.encode(flat, self.residual, step=step.step, bucket=self.index, rank=step.rank)
+        work = None
+        if self.residual is not None:
+            if self._spare is None or self._spare.device != self.residual.device:
+                self._spare = torch.empty_like(self.residual)
+            work = self._spare.copy_(self.residual)
+        payload = codec.encode(flat, work, step=step.step, bucket=self.index, rank=step.rank)
         if codec.collective == "allreduce":
             values = codec.summable_view(payload, self.numel, self.dtype)
-            values.div_(step.world)  # averaged before the sum (no fp16 overflow), as plain DDP does
-            communicated, received, alpha = step.allreduce(values), payload, 1.0
+            sent = codec.with_flag(values, work if work is not None else flat)
+            sent.div_(step.world)  # averaged before the sum (no fp16 overflow), as plain DDP does
+            communicated, received, alpha = step.allreduce(sent), payload, 1.0
         else:
             received = torch.empty((step.world, payload.numel()), dtype=torch.uint8, device=flat.device)
             communicated, alpha = step.all_gather(received, payload), 1.0 / step.world
@@ -81,8 +92,16 @@ class PayloadBucket:
 
         def decode(done):
             started = time.perf_counter()
-            done.value()
+            value_or_raise(done)
+            if codec.collective == "allreduce":
+                finite = torch.isfinite(sent).all()
+                codec.apply_flag(sent, values)
+            else:
+                finite = torch.isfinite(codec.magnitude_fields(received, self.numel, self.dtype)).all()
             codec.decode_sum(received, flat, alpha, status=step.decode_status)
+            if work is not None:
+                self.residual, self._spare = keep_if_finite(finite, work, self.residual)
+            step.count_nonfinite(finite)
             step.add("decode_s", time.perf_counter() - started)
             return flat
 
@@ -108,11 +127,25 @@ class PayloadBucket:
     def tensors(self) -> dict:
         return {"residual": self.residual}
 
+    def spares(self) -> list:
+        return [self._spare]
+
     def load_tensors(self, tensors: dict) -> None:
+        expected = ((self.numel,), self.dtype) if self.codec.error_feedback else (None, None)
+        check_saved_tensors(tensors, {"residual": expected}, self.index)
         self.residual = None if tensors.get("residual") is None else tensors["residual"].clone()
+
+    @staticmethod
+    def piece_layout(codec, shape, dtype) -> dict:
+        """(shape, dtype) of each per-parameter piece of state (pieces())."""
+        return {"residual": ((torch.Size(shape).numel(),), dtype)} if codec.error_feedback else {}
 
     def to(self, device) -> None:
         self.residual = None if self.residual is None else self.residual.to(device)
+        self._spare = None
+
+    def __getstate__(self):
+        return {**self.__dict__, "_spare": None}
 
 
 class _Sequencer:
@@ -169,12 +202,15 @@ class _Sequencer:
 class _Step:
     """What a bucket needs for one step: the group, this rank, the step, its stats and collectives."""
 
-    __slots__ = ("group", "world", "rank", "step", "record", "total", "sequencer", "stats_lock", "decode_status")
+    __slots__ = ("group", "world", "rank", "step", "record", "total", "sequencer", "stats_lock", "decode_status",
+                 "device_counters", "nonfinite_on_device")
 
-    def __init__(self, group, world, rank, step, record, total, sequencer, stats_lock):
+    def __init__(self, group, world, rank, step, record, total, sequencer, stats_lock, device_counters):
         self.group, self.world, self.rank, self.step, self.record, self.total = group, world, rank, step, record, total
         self.sequencer, self.stats_lock = sequencer, stats_lock
         self.decode_status = None  # CUDA: the step's device status word for the payload checks
+        self.device_counters = device_counters  # CUDA: (step record, non-finite bucket count on the device)
+        self.nonfinite_on_device = None
 
     def add(self, key: str, value: float) -> None:
         with self.stats_lock:  # callbacks add from the collectives' threads
@@ -188,17 +224,18 @@ class _Step:
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         return self._explained(gather(out.view(-1), tensor, group=self.group, async_op=True).get_future(), "all-gather")
 
-    def all_finite(self, tensor: torch.Tensor) -> bool:
-        """Whether no rank's tensor holds a NaN or Inf: one 4-byte allreduce, waited for here.
-
-        A NaN or Inf anywhere makes the fp32 sum non-finite; a finite sum that overflows (beyond
-        1e38) counts as non-finite too, which only costs that bucket a plain allreduce."""
-        flag = (~torch.isfinite(tensor.sum(dtype=torch.float32))).to(torch.int32).reshape(1)
-        try:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        except Exception as error:
-            raise self._failure("check for NaN and Inf", error) from error
-        return flag.item() == 0
+    def count_nonfinite(self, finite: torch.Tensor) -> None:
+        """Counts a bucket whose data was not finite: at once on the CPU, on the device on CUDA (read by stats())."""
+        if not finite.is_cuda:
+            if not bool(finite):
+                self.add("nonfinite_buckets", 1)
+            return
+        with self.stats_lock:
+            counter = self.nonfinite_on_device
+            if counter is None or counter.device != finite.device:  # one counter per step, on one device
+                counter = self.nonfinite_on_device = torch.zeros((), dtype=torch.int64, device=finite.device)
+                self.device_counters.append((self.record, counter))
+        counter.add_(~finite)
 
     def _explained(self, future: torch.futures.Future, what: str) -> torch.futures.Future:
         """The collective's result, or its error with what gradcomp was doing when it failed."""
@@ -285,43 +322,76 @@ def _empty_stats() -> dict[str, float]:
     return dict.fromkeys(STATS_KEYS, 0)
 
 
+class _DeviceCounts:
+    """CUDA: the non-finite buckets counted on the device (no host sync in the hook). The current step's
+    counters are folded into one running total per device at the end of each step; stats() reads them."""
+
+    __slots__ = ("current", "last", "total")
+
+    def __init__(self):
+        self.current: list = []  # (record, counter) of the step in progress, appended by _Step
+        self.last: list = []
+        self.total: dict = {}    # device -> counter
+
+    def end_step(self) -> None:
+        for _, counter in self.current:
+            if counter.device in self.total:
+                self.total[counter.device].add_(counter)
+            else:
+                self.total[counter.device] = counter.clone()
+        self.last, self.current = self.current, []
+
+    @staticmethod
+    def read(counters) -> int:
+        return sum(int(c.item()) for c in counters)  # CUDA: a sync, when the caller asks for stats
+
+
 class CompressionState:
     """Everything the hook keeps between steps: the codec, the step, per-bucket residuals and Q.
 
-    Pickles (and state_dict()s) without its process group. Residuals belong to one rank: every
-    rank saves and loads its own.
+    Pickles (and state_dict()s) without its process group and its model. Parameters are keyed by
+    their position in the model, resolved when the state meets its model (gradcomp.register, or the
+    first step of a hook registered by hand), so a pickled or checkpointed state applies to a fresh
+    copy of the model. Residuals belong to one rank: every rank saves and loads its own.
     """
 
-    __slots__ = ("process_group", "codec", "start_iter", "min_bucket_ratio", "nonfinite", "log_every", "iter",
-                 "_plans", "_pool", "_param_keys", "_verified", "_total", "_last", "_current", "_warned", "_sequencer",
-                 "_checks")
+    __slots__ = ("process_group", "codec", "start_iter", "min_bucket_ratio", "log_every", "iter",
+                 "_plans", "_pool", "_param_keys", "_model", "_verified", "_total", "_last", "_current", "_warned",
+                 "_sequencer", "_checks", "_device_counts")
 
     def __init__(self, spec: str = "topk", *, process_group: dist.ProcessGroup | None = None, start_iter: int = 2,
-                 min_bucket_ratio: float = 1.0, nonfinite: str = "allreduce", log_every: int = 0,
-                 model: torch.nn.Module | None = None, **codec_params: Any):
+                 min_bucket_ratio: float = 1.0, log_every: int = 0, model: torch.nn.Module | None = None,
+                 **codec_params: Any):
         for name, value in (("start_iter", start_iter), ("log_every", log_every)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"gradcomp: {name}={value!r} must be an integer >= 0")
         if isinstance(min_bucket_ratio, bool) or not isinstance(min_bucket_ratio, (int, float)) or not (
                 min_bucket_ratio >= 0):
             raise ValueError(f"gradcomp: min_bucket_ratio={min_bucket_ratio!r} must be a number >= 0")
-        if nonfinite not in NONFINITE_POLICIES:
-            raise ValueError(f"gradcomp: nonfinite={nonfinite!r} is not a policy; valid: {', '.join(NONFINITE_POLICIES)}")
-        self.nonfinite = nonfinite
+        if "nonfinite" in codec_params:
+            raise ValueError(f"gradcomp: nonfinite={codec_params['nonfinite']!r}: the option is gone; a bucket "
+                             f"holding a NaN or Inf on any rank now always arrives non-finite on every rank, with "
+                             f"residuals and Q left as they were (GradScaler skips the step)")
         self.codec = make_codec(spec, **codec_params)
         self.process_group = process_group
         self.start_iter, self.min_bucket_ratio, self.log_every = start_iter, float(min_bucket_ratio), log_every
         self.iter = 0
         self._plans: dict[int, PayloadBucket | PowerSGDBucket] = {}
         self._pool: dict[int, dict[str, torch.Tensor]] = {}  # per-parameter state waiting for its new bucket
-        # Parameters are keyed by their position in the model (stable across processes, so checkpoints
-        # map back); without a model, by the order the hook first sees them.
-        self._param_keys: dict[int, int] = {} if model is None else {id(p): i for i, p in enumerate(model.parameters())}
         self._verified = False
         self._total, self._last, self._current = _empty_stats(), _empty_stats(), _empty_stats()
         self._warned: set[str] = set()
+        self._unbind()
+        if model is not None:
+            self.bind(model)
+
+    def _unbind(self) -> None:
+        """Forgets the model (and the transient helpers): after unpickling, until the state meets its model."""
+        self._param_keys: dict[int, int] = {}  # id(parameter) -> its position in model.parameters()
+        self._model = None                     # weak reference to that model
         self._sequencer = _Sequencer()
         self._checks = _DecodeChecks()
+        self._device_counts = _DeviceCounts()
 
     # -- configuration ---------------------------------------------------------------------------------------------
 
@@ -336,7 +406,41 @@ class CompressionState:
         """What every rank must agree on (compared at the first step) and what a checkpoint must match."""
         world = dist.get_world_size(self._group()) if dist.is_initialized() else None
         return {"codec": self.spec, "start_iter": self.start_iter, "min_bucket_ratio": self.min_bucket_ratio,
-                "nonfinite": self.nonfinite, "world_size": world, "wire_format": _ops._C.format_version}
+                "world_size": world, "wire_format": _ops._C.format_version}
+
+    def bind(self, model: torch.nn.Module) -> None:
+        """Keys this state's parameters by their position in model.parameters() (the module DDP wraps), and
+        checks a loaded state against them. gradcomp.register calls it; a hook registered by hand finds its
+        DDP model at its first step."""
+        params = list(model.parameters())
+        self._param_keys = {id(p): i for i, p in enumerate(params)}
+        self._model = weakref.ref(model)
+        self._check_against(params)
+
+    def _find_ddp(self):
+        """The DistributedDataParallel model this state is registered on (ddp.register_comm_hook(state, hook))."""
+        with warnings.catch_warnings():  # isinstance on some deprecated torch.distributed objects warns
+            warnings.simplefilter("ignore")
+            for candidate in gc.get_objects():
+                if isinstance(candidate, torch.nn.parallel.DistributedDataParallel) and any(
+                        s is self for _, s in getattr(candidate, "_comm_hooks", ())):
+                    return candidate
+        return None
+
+    def _meet_model(self, bucket: dist.GradBucket) -> None:
+        """Binds to the registered DDP model (and takes its process group unless one was given) when the state
+        has not met one, or when the bucket holds parameters of another model (the state moved to a new one)."""
+        bound = self._model is not None and self._model() is not None
+        if bound and all(id(p) in self._param_keys for p in bucket.parameters()):
+            return
+        ddp = self._find_ddp()
+        if ddp is None:
+            raise RuntimeError("gradcomp: this CompressionState does not know the model it is registered on; "
+                               "register it with gradcomp.register(ddp_model, state) (or build it with "
+                               "CompressionState(spec, model=ddp_model.module))")
+        if self.process_group is None:
+            self.process_group = ddp.process_group
+        self.bind(ddp.module)
 
     def _verify(self) -> None:
         """All ranks compare their configuration and step: a mismatch raises on every rank, no hang."""
@@ -358,12 +462,13 @@ class CompressionState:
 
     def communicate(self, bucket: dist.GradBucket) -> torch.futures.Future:
         try:
+            self._meet_model(bucket)
             if not self._verified:
                 self._verify()
             self._checks.poll(self.iter)
             group = self._group()
             step = _Step(group, dist.get_world_size(group), dist.get_rank(group), self.iter, self._current,
-                         self._total, self._sequencer, _STATS_LOCK)
+                         self._total, self._sequencer, _STATS_LOCK, self._device_counts.current)
             buffer = bucket.buffer()
             step.add("raw_bytes", buffer.numel() * buffer.element_size())
             step.add("buckets", 1)
@@ -402,20 +507,10 @@ class CompressionState:
     def _plain(step: _Step, tensor: torch.Tensor) -> torch.futures.Future:
         step.add("wire_bytes", tensor.numel() * tensor.element_size())
         tensor.div_(step.world)
-        return step.allreduce(tensor).then(lambda done: done.value()[0])
-
-    def _nonfinite_bucket(self, step: _Step, flat: torch.Tensor) -> torch.futures.Future:
-        """Some rank's bucket holds a NaN or Inf: the codec and its state are left out of this step."""
-        step.add("nonfinite_buckets", 1)
-        if self.nonfinite == "allreduce":
-            return self._plain(step, flat)
-        flat.fill_(float("nan"))
-        done = step.new_future(flat.device)
-        done.set_result(flat)
-        return done
+        return step.allreduce(tensor).then(lambda done: value_or_raise(done)[0])
 
     def _compressed(self, step: _Step, bucket: dist.GradBucket, buffer: torch.Tensor) -> torch.futures.Future:
-        keys = tuple(self._param_keys.setdefault(id(p), len(self._param_keys)) for p in bucket.parameters())
+        keys = tuple(self._param_keys[id(p)] for p in bucket.parameters())
         views = bucket.gradients()
         plan = self._plans.get(bucket.index())
         if plan is None or plan.keys != keys:
@@ -429,9 +524,6 @@ class CompressionState:
         raw_bytes = flat.numel() * flat.element_size()
         if raw_bytes <= plan.wire_bytes * self.min_bucket_ratio:
             return self._plain(step, flat)  # too small to gain from compression
-        step.add("wire_bytes", 4)  # the agreement on NaN and Inf
-        if not step.all_finite(flat):
-            return self._nonfinite_bucket(step, flat)
         if plan.device is not None and plan.device != flat.device:  # a loaded checkpoint, kept on the CPU
             plan.to(flat.device)
         step.add("wire_bytes", plan.wire_bytes)
@@ -462,7 +554,7 @@ class CompressionState:
 
         def scatter(done):
             for future in done.value():
-                future.value()  # raises what a bucket raised
+                value_or_raise(future)  # raises what a bucket raised
             for views, flat_views in copies:
                 for view, part in zip(views, flat_views):
                     view.copy_(part)
@@ -487,6 +579,7 @@ class CompressionState:
     def _end_step(self) -> None:
         self.iter += 1
         self._sequencer = _Sequencer()
+        self._device_counts.end_step()
         self._last, self._current = self._current, _empty_stats()
         if self.log_every and self.iter % self.log_every == 0:
             logger.info("gradcomp %s step %d: %s", self.spec, self.iter, _describe(self.stats()["total"]))
@@ -497,16 +590,20 @@ class CompressionState:
         """{"step", "last": the last finished step, "total": since the start}, each with raw and wire bytes,
         ratio, encode and decode seconds, buckets and compressed buckets."""
 
-        def with_ratio(stats):
+        def with_ratio(stats, device_nonfinite):
+            stats = {**stats, "nonfinite_buckets": stats["nonfinite_buckets"] + device_nonfinite}
             return {**stats, "ratio": stats["raw_bytes"] / stats["wire_bytes"] if stats["wire_bytes"] else 1.0}
 
-        return {"step": self.iter, "last": with_ratio(self._last), "total": with_ratio(self._total)}
+        counts = self._device_counts
+        return {"step": self.iter, "last": with_ratio(self._last, counts.read(c for _, c in counts.last)),
+                "total": with_ratio(self._total, counts.read(counts.total.values()))}
 
     def memory_bytes(self) -> int:
-        """Bytes this state holds between steps: error-feedback residuals, PowerSGD's Q, and state waiting
-        for its parameter's next bucket. A step adds, per bucket in flight, its payload (and the world's
-        gathered payloads for allgather codecs; P for powersgd) and frees it when the bucket completes."""
-        tensors = [t for plan in self._plans.values() for t in plan.tensors().values()]
+        """Bytes this state holds between steps: error-feedback residuals and PowerSGD's Q, each twice (the
+        step writes the new ones beside the old, which stay when the step's data is not finite), and state
+        waiting for its parameter's next bucket. A step adds, per bucket in flight, its payload (and the
+        world's gathered payloads for allgather codecs; P for powersgd) and frees it when the bucket completes."""
+        tensors = [t for plan in self._plans.values() for t in [*plan.tensors().values(), *plan.spares()]]
         tensors += [t for piece in self._pool.values() for t in piece.values()]  # views keep whole buffers alive
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t is not None}
         return sum(storages.values())
@@ -547,25 +644,67 @@ class CompressionState:
                              f"(every rank loads the state it saved)")
         plans = {}
         for saved in state["buckets"]:
-            dtype = getattr(torch, saved["dtype"])
+            dtype = _saved_dtype(saved["dtype"])
             plan = self._make_plan(saved["index"], saved["keys"], saved["shapes"], dtype, "cpu")
             plan.load_tensors(saved["tensors"])
             plans[saved["index"]] = plan
-        self._plans = plans
-        self._pool = {int(k): dict(v) for k, v in state["pool"].items()}
+        pool = {int(k): dict(v) for k, v in state["pool"].items()}
+        for key, piece in pool.items():
+            for name, tensor in piece.items():
+                if not isinstance(tensor, torch.Tensor):
+                    raise ValueError(f"gradcomp: the saved {name} of parameter {key} is {type(tensor).__name__}, "
+                                     f"not a tensor")
+        self._plans, self._pool = plans, pool
         self.iter = int(state["iter"])
+        for plan in plans.values():
+            if isinstance(plan, PowerSGDBucket):
+                plan.redraw_dead_columns(self.iter)
         self._total = {**_empty_stats(), **state["total"]}
         self._last, self._current = _empty_stats(), _empty_stats()
         self._verified = False  # the ranks compare their steps again
+        model = self._model() if self._model is not None else None
+        if model is not None:
+            self._check_against(list(model.parameters()))
+
+    def _check_against(self, params: list) -> None:
+        """Refuses state that does not fit the model: a parameter position it lacks, or another shape or dtype."""
+        def parameter(key, where):
+            if not isinstance(key, int) or not 0 <= key < len(params):
+                raise ValueError(f"gradcomp: the state holds {where} of parameter {key!r}, but the model has "
+                                 f"{len(params)} parameters (0..{len(params) - 1}): was it saved for another model?")
+            return params[key]
+
+        for plan in self._plans.values():
+            for key, shape in zip(plan.keys, plan.shapes):
+                p = parameter(key, f"bucket {plan.index}'s state")
+                if p.shape != shape or p.dtype != plan.dtype:
+                    raise ValueError(f"gradcomp: bucket {plan.index}'s state of parameter {key} is for shape "
+                                     f"{list(shape)} {plan.dtype}; the model's parameter {key} is {list(p.shape)} "
+                                     f"{p.dtype}")
+        plan_class = PowerSGDBucket if isinstance(self.codec, PowerSGD) else PayloadBucket
+        for key, piece in self._pool.items():
+            p = parameter(key, "state")
+            expected = plan_class.piece_layout(self.codec, p.shape, p.dtype)
+            for name, tensor in piece.items():
+                check_tensor(f"{name} of parameter {key}", tensor, *expected.get(name, (None, None)))
 
     def __getstate__(self):
         return {name: getattr(self, name) for name in self.__slots__
-                if name not in ("process_group", "_sequencer", "_checks")}
+                if name not in ("process_group", "_sequencer", "_checks", "_param_keys", "_model", "_device_counts")}
 
     def __setstate__(self, state):
-        self.process_group, self._sequencer, self._checks = None, _Sequencer(), _DecodeChecks()
+        self.process_group = None
+        self._unbind()  # parameters are matched anew when the state meets its model
         for name, value in state.items():
             setattr(self, name, value)
+
+
+def _saved_dtype(name) -> torch.dtype:
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    if dtype not in _ops.DTYPE_IDS:
+        raise ValueError(f"gradcomp: the state names dtype {name!r}; valid: "
+                         f"{', '.join(str(d).removeprefix('torch.') for d in _ops.DTYPE_IDS)}")
+    return dtype
 
 
 def _describe(stats: dict[str, Any]) -> str:
@@ -581,15 +720,16 @@ def hook(state, bucket):  # DDP checks the annotations, which this module's stri
     return state.communicate(bucket)
 
 
-def register(ddp_model: torch.nn.parallel.DistributedDataParallel, spec: str = "topk", *,
+def register(ddp_model: torch.nn.parallel.DistributedDataParallel, spec: "str | CompressionState" = "topk", *,
              process_group: dist.ProcessGroup | None = None, start_iter: int = 2, min_bucket_ratio: float = 1.0,
-             nonfinite: str = "allreduce", log_every: int = 0, **codec_params: Any) -> CompressionState:
+             log_every: int = 0, **codec_params: Any) -> CompressionState:
     """Registers codec `spec` as ddp_model's communication hook; returns its state (for stats and checkpoints).
 
+    spec: a codec spec, or a CompressionState (say, one unpickled or loaded from a checkpoint), which is
+        then registered as it is (with no other options).
+    process_group: the group to communicate in; by default the one DDP was built with.
     start_iter: steps of plain allreduce first (past DDP's bucket rebuild after step 0).
     min_bucket_ratio: a bucket is compressed only when raw bytes > this x its bytes on the wire.
-    nonfinite: a bucket with a NaN or Inf on any rank goes by plain "allreduce" that step, or is "skip"ped
-        (NaN on every rank, nothing sent); either way residuals and Q stay as they were.
     log_every: log the cumulative stats to the "gradcomp" logger every N steps (0: never).
     """
     if not isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel):
@@ -598,10 +738,21 @@ def register(ddp_model: torch.nn.parallel.DistributedDataParallel, spec: str = "
     if isinstance(getattr(ddp_model, "_gradcomp_state", None), CompressionState):
         raise RuntimeError(f"gradcomp: a hook ({ddp_model._gradcomp_state.spec}) is already registered on this "
                            f"model; DDP takes one communication hook per model")
-    state = CompressionState(spec, process_group=process_group, start_iter=start_iter,
-                             min_bucket_ratio=min_bucket_ratio, nonfinite=nonfinite, log_every=log_every,
-                             model=ddp_model.module,
-                             **codec_params)
+    group = process_group if process_group is not None else ddp_model.process_group
+    if isinstance(spec, CompressionState):
+        options = {"start_iter": (start_iter, 2), "min_bucket_ratio": (min_bucket_ratio, 1.0),
+                   "log_every": (log_every, 0), **{k: (v, None) for k, v in codec_params.items()}}
+        given = [k for k, (value, default) in options.items() if value != default]
+        if given:
+            raise ValueError(f"gradcomp.register: options ({', '.join(given)}) go with a spec, not with a "
+                             f"CompressionState, which keeps its own")
+        state = spec
+        if process_group is not None or state.process_group is None:
+            state.process_group = group
+        state.bind(ddp_model.module)
+    else:
+        state = CompressionState(spec, process_group=group, start_iter=start_iter, min_bucket_ratio=min_bucket_ratio,
+                                 log_every=log_every, model=ddp_model.module, **codec_params)
     ddp_model.register_comm_hook(state, hook)
     ddp_model._gradcomp_state = state
     return state

@@ -1,11 +1,13 @@
 """PowerSGD (Vogels et al. 2019): rank-r approximation of each gradient matrix by one power step.
 
 For a gradient tensor viewed as a matrix G (rows = shape[0]) and error-feedback residual E:
-    M = G + E                      (kept in E, fp32)
-    P = M Q                        -> allreduce (sum) P
+    M = G + E                      (E fp32)
+    P = M Q / W                    -> allreduce (sum) P
     P = orthogonalize(P)           (torch.ops.gradcomp.orthogonalize_, Gram-Schmidt)
-    Q = M^T P                      -> allreduce (sum) Q; Q stays for the next step (warm start)
-    out = alpha * P Q^T,   E = M - out
+    Q = M^T P / W                  -> allreduce (sum) Q; Q stays for the next step (warm start)
+    out = P Q^T,   E = M - out
+Dividing by the world size W before each sum, as plain DDP does, keeps the sums within range.
+A column of Q that is zero or not finite is drawn anew before it is used (redraw_dead_columns).
 What travels per matrix: P (rows x r) and Q (cols x r) in fp32. Tensors that are 1-D, or whose
 compression rate rows*cols / ((rows + cols) * r) is below min_compression_rate, travel whole.
 The matrix products go through ATen (BLAS / cuBLAS); with batch_same_shape, the matrices of one
@@ -18,6 +20,8 @@ import time
 
 import torch
 
+from ._futures import value_or_raise
+from ._tensors import check_saved_tensors, keep_if_finite
 from .codecs import Codec, _check_range, _check_seed, _register
 
 
@@ -78,6 +82,13 @@ class PowerSGD(Codec):
         key = (self.seed * 1_000_003 + bucket * 10_007 + index + step * 998_244_353) % 2**63
         generator = torch.Generator(device=device if device is not None else "cpu").manual_seed(key)
         return torch.randn(cols, self.effective_rank(shape), generator=generator, device=generator.device)
+
+    def redrawn_q(self, numel: int, *, bucket: int, step: int, device=None) -> torch.Tensor:
+        """N(0, 1) values, the same on every rank for (seed, bucket, step), for the columns of Q that must be
+        drawn anew (see PowerSGDBucket.redraw_dead_columns)."""
+        key = (self.seed * 1_000_003 + bucket * 10_007 + step * 998_244_353 + 0x9E3779B9) % 2**63
+        generator = torch.Generator(device=device if device is not None else "cpu").manual_seed(key)
+        return torch.randn(numel, generator=generator, device=generator.device)
 
     def compute_p(self, grad: torch.Tensor, residual: torch.Tensor | None, q: torch.Tensor):
         """Returns (M, P): M = grad + residual as an fp32 matrix (held in residual when given)."""
@@ -165,6 +176,9 @@ class PowerSGDBucket:
         self.wire_bytes = 4 * (self.p_numel + self.whole_numel + q_numel)
         self.residual = torch.zeros(m_numel, device=device) if codec.error_feedback else None
         self.q = torch.empty(q_numel, device=device)
+        # A step builds M = grad + residual, then the new residual, in _spare_m, and the new Q in _spare_q;
+        # they become the state only when the step's data is finite (keep_if_finite).
+        self._spare_m = self._spare_q = None
         self._draw_q(step=0)
 
     @property
@@ -181,8 +195,8 @@ class PowerSGDBucket:
     def _p(self, flat, g):
         return self._block(flat, self.p_offsets, g, self.groups[g][0], self.groups[g][2])
 
-    def _q(self, g):
-        return self._block(self.q, self.q_offsets, g, self.groups[g][1], self.groups[g][2])
+    def _q(self, g, flat=None):
+        return self._block(self.q if flat is None else flat, self.q_offsets, g, self.groups[g][1], self.groups[g][2])
 
     def _draw_q(self, step: int) -> None:
         for g, (_, _, _, members) in enumerate(self.groups):
@@ -191,16 +205,37 @@ class PowerSGDBucket:
                 q[j].copy_(self.codec.initial_q(self.shapes[position], bucket=self.index, index=position, step=step,
                                                 device=q.device))
 
+    def redraw_dead_columns(self, step: int) -> None:
+        """A column of Q that is all zero (a matrix whose gradient and residual were zero on every rank) or
+        holds a NaN or Inf (a loaded checkpoint) would stay so under the warm start (P = MQ, Q = M^T P):
+        draw it anew, the same on every rank (after each step, and when a state is loaded)."""
+        dead = [(self._q(g) == 0).all(dim=1) | ~torch.isfinite(self._q(g)).all(dim=1) for g in range(len(self.groups))]
+        if not dead or (not self.q.is_cuda and not any(bool(d.any()) for d in dead)):
+            return  # the CPU looks before it draws; CUDA selects on the device, without a sync
+        fresh = self.codec.redrawn_q(self.q.numel(), bucket=self.index, step=step, device=self.q.device)
+        for g, columns in enumerate(dead):
+            q = self._q(g)
+            torch.where(columns.unsqueeze(1), self._q(g, fresh), q, out=q)
+
+    def _make_spares(self) -> None:
+        if self._spare_q is None or self._spare_q.device != self.q.device:
+            self._spare_q = torch.empty_like(self.q)
+        if self.residual is not None and (self._spare_m is None or self._spare_m.device != self.residual.device):
+            self._spare_m = torch.empty_like(self.residual)
+
     def launch(self, step, flat: torch.Tensor, views) -> torch.futures.Future:
         """Starts P's allreduce; the future completes with flat holding the averaged gradient."""
         started = time.perf_counter()
         codec, world = self.codec, step.world
-        m = self.residual if self.residual is not None else torch.empty(self.m_numel, device=flat.device)
+        self._make_spares()
+        m = self._spare_m if self.residual is not None else torch.empty(self.m_numel, device=flat.device)
+        q_new = self._spare_q
         for g, (rows, cols, _, members) in enumerate(self.groups):
             block = self._m(m, g)
+            old = self._m(self.residual, g) if self.residual is not None else None
             for j, position in enumerate(members):
                 source = views[position].reshape(rows, cols)
-                block[j].add_(source) if self.residual is not None else block[j].copy_(source)
+                torch.add(old[j], source, out=block[j]) if old is not None else block[j].copy_(source)
         if not codec.warm_start:
             self._draw_q(step.step)
         p = torch.empty(self.p_numel + self.whole_numel, device=flat.device)
@@ -209,7 +244,7 @@ class PowerSGDBucket:
         whole = p[self.p_numel:]
         for position, start, n in self.whole:
             whole[start: start + n].copy_(views[position].reshape(-1))
-        whole.div_(world)  # averaged before the sum, as plain DDP does
+        p.div_(world)  # averaged before the sum, as plain DDP does (P's scale does not matter: it is orthogonalized)
         step.add("encode_s", time.perf_counter() - started)
         result = step.new_future(flat.device)
         q_ticket = step.sequencer.ticket(result)  # Q's allreduce is started from a callback: keep rank order
@@ -218,8 +253,8 @@ class PowerSGDBucket:
         def launch_q():  # issued even after an error here, so that the other ranks are not left waiting
             try:
                 if q_ready:  # the sequencer issues Q from another thread, whose stream must wait for Q
-                    torch.cuda.current_stream(self.q.device).wait_event(q_ready[0])
-                step.chain(step.allreduce(self.q), after_q, result)
+                    torch.cuda.current_stream(q_new.device).wait_event(q_ready[0])
+                step.chain(step.allreduce(q_new), after_q, result)
             except BaseException as error:  # noqa: BLE001 - handed to the waiting DDP reducer
                 if not result.done():
                     result.set_exception(error)
@@ -237,10 +272,11 @@ class PowerSGDBucket:
             for position, start, n in self.whole:
                 views[position].copy_(whole[start: start + n].view(views[position].shape))
             for g in range(len(self.groups)):
-                codec.compute_q(self._m(m, g), codec.orthogonalize(self._p(p, g)), self._q(g))
-            if self.q.is_cuda:
+                codec.compute_q(self._m(m, g), codec.orthogonalize(self._p(p, g)), self._q(g, q_new))
+            q_new.div_(world)
+            if q_new.is_cuda:
                 q_ready.append(torch.cuda.Event())
-                q_ready[0].record(torch.cuda.current_stream(self.q.device))
+                q_ready[0].record(torch.cuda.current_stream(q_new.device))
             step.add("encode_s", time.perf_counter() - started)
 
         def after_q(summed_q):
@@ -249,12 +285,19 @@ class PowerSGDBucket:
             if result.done():  # this rank failed earlier in the step
                 return
             for g, (rows, cols, _, members) in enumerate(self.groups):
-                approx = torch.matmul(self._p(p, g), self._q(g).transpose(1, 2)).div_(world)
+                approx = torch.matmul(self._p(p, g), self._q(g, q_new).transpose(1, 2))
                 block = self._m(m, g)
                 for j, position in enumerate(members):
                     views[position].copy_(approx[j].view(views[position].shape))
                     if self.residual is not None:  # what was delivered, after rounding to the gradient's dtype
                         block[j].sub_(views[position].reshape(rows, cols))
+            # A NaN or Inf in any rank's M (or whole tensors) survives both sums: every rank sees the same verdict.
+            finite = torch.isfinite(p).all() & torch.isfinite(q_new).all()
+            if self.residual is not None:
+                self.residual, self._spare_m = keep_if_finite(finite, m, self.residual)
+            self.q, self._spare_q = keep_if_finite(finite, q_new, self.q)
+            self.redraw_dead_columns(step.step + 1)
+            step.count_nonfinite(finite)
             step.add("decode_s", time.perf_counter() - started)
             result.set_result(flat)
 
@@ -263,7 +306,7 @@ class PowerSGDBucket:
         except BaseException:
             step.sequencer.submit(q_ticket, lambda: None)  # the step ends here: nothing for Q to wait on
             raise
-        return result
+        return result.then(value_or_raise)  # result may fail by set_exception(): see value_or_raise
 
     def pieces(self) -> dict:
         """Per-parameter state (residual and Q views), so that a new bucket layout can take it over."""
@@ -286,13 +329,34 @@ class PowerSGDBucket:
                 if self.residual is not None and "residual" in piece and piece["residual"].numel() == rows * cols:
                     self._m(self.residual, g)[j].copy_(piece["residual"].reshape(rows, cols))
 
+    @staticmethod
+    def piece_layout(codec: PowerSGD, shape, dtype) -> dict:
+        """(shape, dtype) of each per-parameter piece of state (pieces())."""
+        if not codec.compresses(shape):
+            return {}
+        rows, cols = codec.matrix_shape(shape)
+        layout = {"q": ((cols, codec.effective_rank(shape)), torch.float32)}
+        if codec.error_feedback:
+            layout["residual"] = ((rows, cols), torch.float32)
+        return layout
+
     def tensors(self) -> dict:
         return {"q": self.q, "residual": self.residual}
 
+    def spares(self) -> list:
+        return [self._spare_q, self._spare_m]
+
     def load_tensors(self, tensors: dict) -> None:
+        check_saved_tensors(tensors, {"q": ((self.q.numel(),), torch.float32),
+                                      "residual": ((self.m_numel,), torch.float32) if self.codec.error_feedback
+                                      else (None, None)}, self.index)
         self.q = tensors["q"].clone()
         self.residual = None if tensors.get("residual") is None else tensors["residual"].clone()
 
     def to(self, device) -> None:
         self.q = self.q.to(device)
         self.residual = None if self.residual is None else self.residual.to(device)
+        self._spare_m = self._spare_q = None
+
+    def __getstate__(self):
+        return {**self.__dict__, "_spare_m": None, "_spare_q": None}

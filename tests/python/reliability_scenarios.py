@@ -22,7 +22,7 @@ def _plan_tensors(state, index):
     return {} if plan is None else {k: t.clone() for k, t in plan.tensors().items() if t is not None}
 
 
-def nonfinite(rank, world, specs, policy, bad_step, steps):
+def nonfinite(rank, world, specs, bad_step, steps):
     """At bad_step the last rank's gradient gets a NaN and rank 0's a +Inf (the same element of every
     spec's model). Trains under AMP's GradScaler, which must see them and skip that step.
 
@@ -32,7 +32,7 @@ def nonfinite(rank, world, specs, policy, bad_step, steps):
     for spec in specs:
         model = make_model()
         ddp = wrap(model)
-        state = gradcomp.CompressionState(spec, model=model, nonfinite=policy)
+        state = gradcomp.CompressionState(spec, model=model)
         current = {"step": 0}
 
         def poison(grad):

@@ -162,3 +162,16 @@ def test_the_hook_reads_device_status_words_back_without_waiting():
         torch.cuda.synchronize()
         checks.poll(6)
     checks.poll(7)  # reported once
+
+
+@needs_cuda_build
+def test_a_ddp_step_of_every_codec_makes_no_host_sync():
+    import corruption_scenarios
+
+    specs = ["none", "fp16", "bf16", "signsgd", "terngrad", "qsgd", "topk:ratio=0.1", "randomk:ratio=0.1",
+             "powersgd:rank=2"]
+    result = unwrap(run_ranks(corruption_scenarios.no_host_sync, 1, (specs, 4)))[0]
+    for spec in specs:
+        assert result[spec]["error"] is None, (spec, result[spec]["error"])
+        assert result[spec]["stats"]["compressed_buckets"] > 0, spec
+

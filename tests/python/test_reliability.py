@@ -26,29 +26,26 @@ def _poisoned(bucket_records):
             any(not torch.isfinite(r[1]["grad"]).all() for r in ranks)}
 
 
-@pytest.fixture(scope="module", params=["allreduce", "skip"])
-def nonfinite_runs(request):
-    return request.param, unwrap(run_ranks(scenarios.nonfinite, 2, (NONFINITE_SPECS, request.param, BAD_STEP, STEPS)))
+@pytest.fixture(scope="module")
+def nonfinite_runs():
+    return unwrap(run_ranks(scenarios.nonfinite, 2, (NONFINITE_SPECS, BAD_STEP, STEPS)))
 
 
 @pytest.mark.parametrize("spec", NONFINITE_SPECS)
-def test_nonfinite_gradient_reaches_the_average_and_spares_the_state(nonfinite_runs, spec):
-    policy, results = nonfinite_runs
-    runs = [r[spec] for r in results]
+def test_nonfinite_gradient_makes_the_bucket_nonfinite_everywhere_and_spares_the_state(nonfinite_runs, spec):
+    runs = [r[spec] for r in nonfinite_runs]
     records = [sorted(run["buckets"].items()) for run in runs]
     poisoned = _poisoned(records)
     assert len(poisoned) == 1, poisoned  # the middle layer's weight lies in one bucket
-    for index in poisoned:
-        grads = [dict(r)[index]["grad"] for r in records]
-        plain = sum(g / len(grads) for g in grads)  # what plain DDP delivers: each divided by world, then summed
+    for index, _ in records[0]:
         for rank_records in records:
             record = dict(rank_records)[index]
-            if policy == "allreduce":
-                torch.testing.assert_close(record["out"], plain, rtol=0, atol=0, equal_nan=True)
-                assert torch.isnan(record["out"]).sum() == 1 and torch.isposinf(record["out"]).sum() == 1
-            else:
-                assert torch.isnan(record["out"]).all()
-            # Nothing of the codec ran: residuals and Q exactly as before the step.
+            # Only the poisoned bucket arrives non-finite (on every rank, the NaN rank's and the Inf rank's
+            # and the rank with neither alike); the step's other buckets are compressed as usual.
+            assert bool(torch.isfinite(record["out"]).all()) == (index not in poisoned), (index, record["out"])
+            if index not in poisoned:
+                continue
+            # Residuals and Q exactly as before the step, on every rank.
             assert record["before"].keys() == record["after"].keys()
             for name, tensor in record["before"].items():
                 assert torch.equal(tensor, record["after"][name]), f"{spec}: {name} changed"
@@ -122,12 +119,12 @@ def test_memory_is_bounded_and_does_not_grow():
     steps = 60
     for rank_result in unwrap(run_ranks(scenarios.memory, 2, (specs, steps))):
         topk, qsgd, powersgd = (rank_result[s] for s in specs)
-        # The documented bound: a residual of the gradient's size with error feedback, nothing without;
-        # powersgd: an fp32 residual of its matrices plus Q.
-        assert set(topk["held"][2:]) == {topk["param_bytes"]}
+        # The documented bound: twice a residual of the gradient's size with error feedback (the step writes
+        # the new one beside the old), nothing without; powersgd: twice an fp32 residual of its matrices plus Q.
+        assert set(topk["held"][2:]) == {2 * topk["param_bytes"]}
         assert set(qsgd["held"]) == {0}
         assert len(set(powersgd["held"][2:])) == 1
-        assert 4 * powersgd["matrix_numel"] < powersgd["held"][-1] < 4 * powersgd["matrix_numel"] * 1.5
+        assert 8 * powersgd["matrix_numel"] < powersgd["held"][-1] < 8 * powersgd["matrix_numel"] * 1.5
         for run in (topk, qsgd, powersgd):
             # No tensors kept per step: 50 more steps would leave 50 more. A couple come and go with the
             # moment of counting (the last bucket's future, the loss).

@@ -1,0 +1,38 @@
+"""Small tensor helpers the bucket plans share: keeping a step's new state only when its data is finite,
+and checking saved state against what a configuration expects."""
+
+from __future__ import annotations
+
+import torch
+
+
+def keep_if_finite(finite: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(state, spare): new becomes the state when finite (a 0-d bool) is true, else old stays.
+
+    On the CPU the verdict is read and the buffers swap; on CUDA a device-side select writes the
+    kept values into old, so the host never waits for the GPU."""
+    if new.is_cuda:
+        torch.where(finite, new, old, out=old)
+        return old, new
+    return (new, old) if bool(finite) else (old, new)
+
+
+def check_saved_tensors(tensors, expected: dict, index: int) -> None:
+    """Refuses a bucket's saved tensors unless each is the expected (shape, dtype), or None where (None, None)."""
+    if not isinstance(tensors, dict) or set(tensors) - set(expected):
+        found = sorted(tensors) if isinstance(tensors, dict) else type(tensors).__name__
+        raise ValueError(f"gradcomp: bucket {index}'s saved tensors are {found}; this configuration keeps "
+                         f"{sorted(expected)}")
+    for name, (shape, dtype) in expected.items():
+        check_tensor(f"{name} of bucket {index}", tensors.get(name), shape, dtype)
+
+
+def check_tensor(what: str, tensor, shape, dtype) -> None:
+    """Refuses a saved tensor that is not the expected shape and dtype (shape None: none expected)."""
+    if shape is None and tensor is None:
+        return
+    found = "none" if tensor is None else (f"{list(tensor.shape)} {tensor.dtype}" if isinstance(tensor, torch.Tensor)
+                                           else type(tensor).__name__)
+    wanted = "none" if shape is None else f"{list(shape)} {dtype}"
+    if found != wanted:
+        raise ValueError(f"gradcomp: the saved {what} is {found}; this configuration expects {wanted}")
