@@ -65,6 +65,23 @@ inline void load_compensated(const T* grad, const T* residual, int64_t begin, in
   for (int64_t i = 0; i < len; ++i) m[i] = compensated<kResidual>(grad, residual, begin + i);
 }
 
+// wire[i] = from_float_saturating<W>(m[i]) over one chunk, as two loops: the plain rounding, then a
+// branch-free pass that turns an Inf rounded from a finite m into the largest finite value (the
+// fused form has control flow that keeps the compiler from vectorizing either part).
+template <typename W>
+inline void store_saturating(W* wire, const float* m, int64_t len) {
+  for (int64_t i = 0; i < len; ++i) wire[i] = from_float<W>(m[i]);
+  if constexpr (!std::is_same_v<W, float>) {
+    constexpr uint16_t kInf = std::is_same_v<W, f16> ? 0x7C00u : 0x7F80u;
+    constexpr uint16_t kMax = kInf - 1;  // 0x7BFF (fp16 65504), 0x7F7F (bf16)
+    for (int64_t i = 0; i < len; ++i) {
+      const uint16_t bits = wire[i].bits;
+      const bool overflow = (bits & 0x7FFFu) == kInf && is_finite(m[i]);
+      wire[i].bits = overflow ? static_cast<uint16_t>((bits & 0x8000u) | kMax) : bits;
+    }
+  }
+}
+
 // residual = m - decoded over one chunk, saturating: the fp32 difference (sub_saturating) and its
 // rounding to T (from_float_saturating).
 template <typename T>
@@ -146,13 +163,29 @@ inline const ByteTables& byte_tables() {
 
 // acc[i] = add_saturating(acc[i], table[code i] * scale) for len codes packed kPerByte to a byte,
 // from a byte boundary.
-template <int kPerByte>
+template <int kPerByte, bool kSaturate = true>
 inline void add_byte_codes(const float (*table)[kPerByte], const uint8_t* bytes, int64_t len, float scale,
                            float* acc) {
+  const auto add = [](float a, float b) { return kSaturate ? add_saturating(a, b) : a + b; };
   int64_t i = 0;
   for (; i + kPerByte <= len; i += kPerByte)
-    for (int j = 0; j < kPerByte; ++j) acc[i + j] = add_saturating(acc[i + j], table[bytes[i / kPerByte]][j] * scale);
-  for (; i < len; ++i) acc[i] = add_saturating(acc[i], table[bytes[i / kPerByte]][i % kPerByte] * scale);
+    for (int j = 0; j < kPerByte; ++j) acc[i + j] = add(acc[i + j], table[bytes[i / kPerByte]][j] * scale);
+  for (; i < len; ++i) acc[i] = add(acc[i], table[bytes[i / kPerByte]][i % kPerByte] * scale);
+}
+
+// Whether summing one multiplier per payload (each element's largest contribution from it, e.g.
+// alpha * scale) could overflow fp32. Only then can saturating adds differ from plain ones, so the
+// decoders take the plain, faster adds otherwise, with the same bits. Non-finite multipliers are
+// left out: after one, both kinds of add give the plain IEEE result. The bound leaves room for
+// the rounding of any realistic count of additions.
+template <typename Multiplier>
+bool sum_may_overflow(const DecodeArgs& a, Multiplier&& multiplier) {
+  double bound = 0.0;
+  for (int64_t p = 0; p < a.count; ++p) {
+    const float m = multiplier(a.payloads + p * a.stride);
+    if (is_finite(m)) bound += static_cast<double>(m < 0.0f ? -m : m);
+  }
+  return bound > 0x1.0p+126;
 }
 
 template <typename T>

@@ -16,10 +16,8 @@ template <typename T, typename W, bool kResidual>
 void encode_chunk(const T* grad, T* residual, W* wire, int64_t begin, int64_t len) {
   float m[kChunk], decoded[kChunk];
   load_compensated<kResidual>(grad, residual, begin, len, m);
-  for (int64_t i = 0; i < len; ++i) {
-    wire[begin + i] = from_float_saturating<W>(m[i]);
-    decoded[i] = to_float(wire[begin + i]);
-  }
+  store_saturating(wire + begin, m, len);
+  for (int64_t i = 0; i < len; ++i) decoded[i] = to_float(wire[begin + i]);
   if constexpr (kResidual) store_residuals(residual, begin, len, m, decoded);
 }
 

@@ -56,10 +56,15 @@ template <typename T>
 void decode_typed(const DecodeArgs& a, const PayloadHeader& h) {
   const int64_t codes = body_layout(h).codes;
   if (!a.vote) {
-    sum_payloads<T>(a, h.numel, [&](const uint8_t* payload, int64_t begin, int64_t len, float* acc) {
-      add_byte_codes<8>(byte_tables().sign, payload + codes + begin / 8, len,
-                        a.alpha * *field<float>(payload, kHeaderBytes), acc);
-    });
+    const auto multiplier = [&](const uint8_t* payload) { return a.alpha * *field<float>(payload, kHeaderBytes); };
+    const auto sum = [&](auto saturate) {
+      sum_payloads<T>(a, h.numel, [&](const uint8_t* payload, int64_t begin, int64_t len, float* acc) {
+        add_byte_codes<8, decltype(saturate)::value>(byte_tables().sign, payload + codes + begin / 8, len,
+                                                     multiplier(payload), acc);
+      });
+    };
+    if (sum_may_overflow(a, multiplier)) sum(std::true_type{});
+    else sum(std::false_type{});
     return;
   }
   float magnitude = 0.0f;
@@ -67,10 +72,10 @@ void decode_typed(const DecodeArgs& a, const PayloadHeader& h) {
     magnitude = add_saturating(magnitude, a.alpha * *field<float>(a.payloads + p * a.stride, kHeaderBytes));
   const float tie = 0.0f * magnitude;
   T* out = static_cast<T*>(a.out);
-  parallel_chunks(a.parallel_for, h.numel, kDecodeChunk, [&](int64_t begin, int64_t len) {
+  parallel_chunks(a.parallel_for, h.numel, kDecodeChunk, [&, magnitude, tie](int64_t begin, int64_t len) {
     float votes[kDecodeChunk] = {};
-    for (int64_t p = 0; p < a.count; ++p)  // each sign counts +1 or -1
-      add_byte_codes<8>(byte_tables().sign, a.payloads + p * a.stride + codes + begin / 8, len, 1.0f, votes);
+    for (int64_t p = 0; p < a.count; ++p)  // each sign counts +1 or -1: small integers, exact
+      add_byte_codes<8, false>(byte_tables().sign, a.payloads + p * a.stride + codes + begin / 8, len, 1.0f, votes);
     for (int64_t i = 0; i < len; ++i)
       out[begin + i] = from_float_saturating<T>(votes[i] > 0 ? magnitude : votes[i] < 0 ? -magnitude : tie);
   });

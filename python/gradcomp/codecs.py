@@ -173,7 +173,7 @@ class PayloadCodec(Codec):
 
     def decode_sum(self, payloads: torch.Tensor, out: torch.Tensor, alpha: float = 1.0, *,
                    status: torch.Tensor | None = None) -> torch.Tensor:
-        """out = alpha * sum of the decoded payloads ([count, bytes] or one [bytes]); returns out.
+        """out = the sum of alpha times each decoded payload ([count, bytes] or one [bytes]); returns out.
 
         The payloads must be this codec's, with its parameters. On the CPU a malformed payload
         raises at once. On CUDA the payloads are checked on the device: without status that check is

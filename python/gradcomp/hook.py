@@ -209,7 +209,7 @@ class _Step:
         self.group, self.world, self.rank, self.step, self.record, self.total = group, world, rank, step, record, total
         self.sequencer, self.stats_lock = sequencer, stats_lock
         self.decode_status = None  # CUDA: the step's device status word for the payload checks
-        self.device_counters = device_counters  # CUDA: (step record, non-finite bucket count on the device)
+        self.device_counters = device_counters  # CUDA: the step's non-finite bucket counts on the device
         self.nonfinite_on_device = None
 
     def add(self, key: str, value: float) -> None:
@@ -234,7 +234,7 @@ class _Step:
             counter = self.nonfinite_on_device
             if counter is None or counter.device != finite.device:  # one counter per step, on one device
                 counter = self.nonfinite_on_device = torch.zeros((), dtype=torch.int64, device=finite.device)
-                self.device_counters.append((self.record, counter))
+                self.device_counters.append(counter)
         counter.add_(~finite)
 
     def _explained(self, future: torch.futures.Future, what: str) -> torch.futures.Future:
@@ -329,12 +329,12 @@ class _DeviceCounts:
     __slots__ = ("current", "last", "total")
 
     def __init__(self):
-        self.current: list = []  # (record, counter) of the step in progress, appended by _Step
+        self.current: list = []  # the counters of the step in progress, appended by _Step
         self.last: list = []
         self.total: dict = {}    # device -> counter
 
     def end_step(self) -> None:
-        for _, counter in self.current:
+        for counter in self.current:
             if counter.device in self.total:
                 self.total[counter.device].add_(counter)
             else:
@@ -595,7 +595,7 @@ class CompressionState:
             return {**stats, "ratio": stats["raw_bytes"] / stats["wire_bytes"] if stats["wire_bytes"] else 1.0}
 
         counts = self._device_counts
-        return {"step": self.iter, "last": with_ratio(self._last, counts.read(c for _, c in counts.last)),
+        return {"step": self.iter, "last": with_ratio(self._last, counts.read(counts.last)),
                 "total": with_ratio(self._total, counts.read(counts.total.values()))}
 
     def memory_bytes(self) -> int:

@@ -28,7 +28,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
 
   PayloadHeader header{};
   if (stride >= kHeaderBytes) std::memcpy(&header, payloads.data(), sizeof header);
-  int64_t out_numel = header.numel + ((control & 8) ? 1 : 0);
+  int64_t out_numel = header.numel;
+  if ((control & 8) && out_numel <= kMaxOutputElements) out_numel += 1;  // never past INT64_MAX
   const DType out_dtype = (control & 16) || header.dtype >= kNumDTypes ? DType::F32 : static_cast<DType>(header.dtype);
   if (out_numel < 0 || out_numel > kMaxOutputElements) out_numel = 0;
 
