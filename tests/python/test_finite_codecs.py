@@ -25,6 +25,8 @@ from reference import (  # noqa: E402
 )
 
 OPS = torch.ops.gradcomp
+
+from test_codecs import lib_decode, lib_encode  # noqa: E402
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 CODECS = ["none", "fp16", "bf16", "signsgd", "terngrad", "qsgd", "topk", "randomk"]
 KEY = dict(seed=4321, step=3, bucket=1, rank=0)
@@ -38,17 +40,6 @@ def params_for(name: str, n: int) -> dict:
     if name == "qsgd":
         return {"levels": 127, "block": 512}
     return {}
-
-
-def encode(name, grad, residual=None, *, k=0, levels=0, block=0, seed=0, step=0, bucket=0, rank=0):
-    param0 = k if name in ("topk", "randomk") else levels
-    return OPS.encode(grad, residual, name, param0, block, seed, step, bucket, rank)
-
-
-def decode(payloads, dtype, numel, alpha=1.0, vote=False):
-    out = torch.full((numel,), 7.0, dtype=dtype)
-    OPS.decode_sum(payloads, out, alpha, vote)
-    return out
 
 
 def float_fields(payload: torch.Tensor) -> torch.Tensor:
@@ -89,7 +80,7 @@ def encode_checked(name, grad, residual, kw, key=KEY, exact_payload=True):
     exact_payload=False, the payload's float fields are compared NaN-aware instead of its bytes)."""
     ref_payload, ref_residual = ref_encode(name, grad, residual, **kw, **key)
     lib_residual = residual.clone() if residual is not None else None
-    payload = encode(name, grad, lib_residual, **kw, **key)
+    payload = lib_encode(name, grad, lib_residual, **kw, **key)
     if exact_payload:
         assert same_bits(payload, ref_payload), f"{name} {grad.dtype}: payload differs from the reference"
     else:
@@ -100,7 +91,7 @@ def encode_checked(name, grad, residual, kw, key=KEY, exact_payload=True):
 
 
 def decode_checked(stack, dtype, n, alpha, vote=False):
-    out = decode(stack, dtype, n, alpha, vote)
+    out = lib_decode(stack, dtype, n, alpha, vote)
     expected = ref_decode_sum(stack, dtype, alpha, vote)
     assert same_bits(out, expected), "decode_sum differs from the reference"
     return out
@@ -220,7 +211,7 @@ def test_nan_and_inf_still_show(name, dtype, where, bad):
 
 def test_codec_name_with_embedded_nul_is_refused():
     grad = torch.randn(64)
-    payload = encode("none", grad)
+    payload = lib_encode("none", grad)
     out = torch.zeros(64)
     with pytest.raises(ValueError, match=r"unknown codec 'none\\x00junk'.*valid codecs: none, fp16"):
         OPS.decode_sum(payload, out, 1.0, False, "none\x00junk")
