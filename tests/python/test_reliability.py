@@ -82,6 +82,7 @@ def test_a_rank_that_dies_or_stalls_ends_the_others_step_with_a_clear_error(spec
         assert result["step"] == 4, result
         assert result["error"] is not None, result
         assert "gradcomp: the" in result["error"] and "step 4 failed" in result["error"], result["error"]
+        assert "Unable to cast" not in result["error"], result["error"]  # a failed future read as a tensor
         if kind == "stall":  # gloo words it as a timeout, or as a pair closed on the timeout
             assert re.search("(?i)timed out|timeout", result["error"]), result["error"]
             assert result["after_s"] < pg_timeout_s + 10, result
