@@ -100,8 +100,9 @@ def codec(spec: str, **params: Any) -> "Codec":
 
 
 def _check_range(codec_name: str, key: str, value: Any, low: float, high: float, *, low_open: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (isinstance(value, float) and math.isnan(value)) or (
-            value <= low if low_open else value < low) or value > high:
+    not_a_number = isinstance(value, bool) or not isinstance(value, (int, float)) or (
+        isinstance(value, float) and math.isnan(value))  # an int too large for a float still compares
+    if not_a_number or (value <= low if low_open else value < low) or value > high:
         bracket = "(" if low_open else "["
         raise ValueError(f"{codec_name}: {key}={value!r} is outside {bracket}{low}, {high}]")
 

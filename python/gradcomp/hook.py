@@ -147,6 +147,9 @@ class PayloadBucket:
     def __getstate__(self):
         return {**self.__dict__, "_spare": None}
 
+    def __setstate__(self, state):  # states pickled before there were spares have none
+        self.__dict__.update({"_spare": None, **state})
+
 
 class _Sequencer:
     """Puts the collectives that callbacks start (PowerSGD's Q) in one order on every rank, and before

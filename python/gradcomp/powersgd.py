@@ -360,3 +360,6 @@ class PowerSGDBucket:
 
     def __getstate__(self):
         return {**self.__dict__, "_spare_m": None, "_spare_q": None}
+
+    def __setstate__(self, state):  # states pickled before there were spares have none
+        self.__dict__.update({"_spare_m": None, "_spare_q": None, **state})

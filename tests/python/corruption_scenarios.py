@@ -256,5 +256,5 @@ def no_host_sync(rank, world, specs, steps):
     return out
 
 
-__all__ = ["no_host_sync", "collapsed_q", "nan_column_in_loaded_q", "large_finite_gradients", "pickled_state", "subgroup",
-           "tampered_checkpoints", "counted_collectives"]
+__all__ = ["no_host_sync", "collapsed_q", "nan_column_in_loaded_q", "large_finite_gradients", "pickled_state",
+           "subgroup", "tampered_checkpoints", "counted_collectives"]
