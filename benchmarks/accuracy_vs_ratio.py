@@ -280,7 +280,8 @@ def main(argv=None) -> None:
         datasets = {name: DATASETS[name][0]() for name in args.datasets}  # once, not per rank
         print(f"{len(plan)} runs on {world} ranks ({backend}): {', '.join(args.datasets)}; seeds {args.seeds}",
               flush=True)
-        mp.spawn(rank_main, args=(world, backend, plan, datasets, args, raw_path), nprocs=world, join=True)
+        mp.spawn(main_job.finish_spawned_rank, args=(rank_main, world, backend, plan, datasets, args, raw_path),
+                 nprocs=world, join=True)
     with open(raw_path) as f:
         runs = json.load(f)
     os.remove(raw_path)

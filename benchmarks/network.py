@@ -43,7 +43,7 @@ import gradcomp
 sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)),
                 os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")]
 from bench_common import machine, write_results  # noqa: E402
-from train_ddp import find_free_port  # noqa: E402
+from train_ddp import find_free_port, finish_spawned_rank  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 POWERSGD_RANK = 2
@@ -168,7 +168,8 @@ def rank_main(rank: int, world: int, port: int, args, out_path: str):
 
 def worker(args) -> None:
     """Runs every hook on args.nprocs local ranks (on whatever loopback this process sees)."""
-    mp.spawn(rank_main, args=(args.nprocs, find_free_port(), args, args.worker_out), nprocs=args.nprocs, join=True)
+    mp.spawn(finish_spawned_rank, args=(rank_main, args.nprocs, find_free_port(), args, args.worker_out),
+             nprocs=args.nprocs, join=True)
 
 
 # -- the shaped link ---------------------------------------------------------------------------------------------------

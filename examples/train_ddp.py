@@ -119,6 +119,17 @@ def find_free_port() -> int:
         return sock.getsockname()[1]
 
 
+def finish_spawned_rank(rank: int, rank_fn, *args) -> None:
+    """An mp.spawn rank: rank_fn(rank, *args), then, once it has returned, the process ends at once with
+    exit code 0. A gloo thread can abort the interpreter's shutdown after the process group is destroyed
+    ("terminate called without an active exception", an upstream torch issue seen also without
+    gradcomp), which spawn would report as a failed rank; a finished rank has nothing left to tear down."""
+    rank_fn(rank, *args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def save_checkpoint(path: str, checkpoint: dict) -> None:
     """Writes path atomically and keeps the epoch before as path.prev: the ranks save at different
     moments, so a run killed meanwhile leaves them one epoch apart, and resume_point meets there."""
@@ -251,7 +262,8 @@ def main() -> None:
     os.environ["MASTER_PORT"] = str(args.port or find_free_port())
     data = load_mnist1d()  # once here rather than in every rank: generating it takes seconds
     # An exception in any rank makes spawn terminate the others and raise here: a non-zero exit.
-    mp.spawn(train, args=(args.nprocs, args.backend or "gloo", args, data), nprocs=args.nprocs, join=True)
+    mp.spawn(finish_spawned_rank, args=(train, args.nprocs, args.backend or "gloo", args, data), nprocs=args.nprocs,
+             join=True)
 
 
 if __name__ == "__main__":
