@@ -24,10 +24,8 @@ from reference import (  # noqa: E402
     ref_encode,
 )
 
-OPS = torch.ops.gradcomp
+from test_codecs import DTYPES, OPS, lib_decode, lib_encode  # noqa: E402
 
-from test_codecs import lib_decode, lib_encode  # noqa: E402
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 CODECS = ["none", "fp16", "bf16", "signsgd", "terngrad", "qsgd", "topk", "randomk"]
 KEY = dict(seed=4321, step=3, bucket=1, rank=0)
 
