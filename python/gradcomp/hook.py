@@ -6,12 +6,18 @@
 One bucket, one step:
     warm-up (step < start_iter), a bucket too small to gain, a sparse or float64 bucket
         -> plain allreduce of grad / world, exactly what DDP does without a hook;
-    allreduce codecs (none, fp16, bf16, randomk): encode, divide the payload's values by world,
-        allreduce them, decode in place;
-    allgather codecs (signsgd, terngrad, qsgd, topk): encode, all-gather the fixed-size payloads,
-        one fused decode-and-sum of all of them, times 1/world, in place;
-    powersgd: per tensor, P then Q allreduced (see powersgd.PowerSGDBucket).
+    otherwise the bucket's plan, by its scheme (a module each in gradcomp.schemes):
+    allreduce (none, fp16, bf16, randomk): encode, divide the payload's values by world, allreduce
+        them, decode in place;
+    allgather or two-phase (signsgd, terngrad, qsgd, topk; the state's scheme option, by default
+        the one that sends fewer bytes at this world size): all-gather the payloads and decode-and-sum
+        them, or send chunks to their owners, which re-encode the chunk's average for an all-gather;
+    powersgd: per tensor, P then Q allreduced.
 Everything is asynchronous: collectives return futures and the next stage runs in a callback.
+
+Stats count the bytes this rank sends and receives under each bucket's scheme (plain allreduce as a
+ring: 2(W-1)/W of the bucket), and as raw what plain DDP's ring allreduce would send, so that
+raw / wire is the saving against plain DDP at this world size.
 
 Non-finite gradients: no extra collective and no host-device sync decide them. A NaN or Inf in a
 rank's gradient + residual, or one the codec's own arithmetic would make, shows in that rank's payload
@@ -33,7 +39,6 @@ import gc
 import json
 import logging
 import threading
-import time
 import warnings
 import weakref
 from typing import Any
@@ -43,112 +48,25 @@ import torch.distributed as dist
 
 from . import _ops
 from ._futures import value_or_raise
-from ._tensors import check_saved_tensors, check_tensor, keep_if_finite
-from .codecs import PayloadCodec, codec as make_codec
-from .powersgd import PowerSGD, PowerSGDBucket
+from ._tensors import check_tensor
+from .codecs import codec as make_codec
+from .schemes import (PLANS, AllgatherBucket, AllreduceBucket, PowerSGDBucket, TwoPhaseBucket, check_scheme,
+                      fixed_scheme, plan_class, ring_allreduce_bytes)
 
 logger = logging.getLogger("gradcomp")
-STATS_KEYS = ("raw_bytes", "wire_bytes", "encode_s", "decode_s", "buckets", "compressed_buckets", "nonfinite_buckets")
+STATS_KEYS = ("raw_bytes", "wire_bytes", "received_bytes", "encode_s", "decode_s", "buckets", "compressed_buckets",
+              "nonfinite_buckets")
 STATE_FORMAT = 1
 _STATS_LOCK = threading.Lock()  # stats are a few additions per bucket: one lock for every state will do
 
 
 class PayloadBucket:
-    """One DDP bucket under a wire-format codec: one flat payload per rank per step."""
+    """The plan class of states pickled before each scheme had a module of its own: unpickles as the
+    allreduce or allgather plan it was."""
 
-    def __init__(self, codec: PayloadCodec, index: int, keys, shapes, dtype: torch.dtype, device):
-        self.codec, self.index, self.keys, self.dtype = codec, index, tuple(keys), dtype
-        self.shapes = [torch.Size(s) for s in shapes]
-        self.numel = sum(s.numel() for s in self.shapes)
-        if codec.collective == "allreduce":
-            self.wire_bytes = (codec.value_count(self.numel) + codec.flag_count) * codec.wire_dtype(dtype).itemsize
-        else:
-            self.wire_bytes = codec.payload_nbytes(self.numel, dtype)
-        self.residual = torch.zeros(self.numel, dtype=dtype, device=device) if codec.error_feedback else None
-        self._spare = None  # the residual a step writes, kept only if the step's data is finite
-
-    @property
-    def device(self):
-        return None if self.residual is None else self.residual.device
-
-    def launch(self, step, flat: torch.Tensor, views) -> torch.futures.Future:
-        started = time.perf_counter()
-        codec = self.codec
-        work = None
-        if self.residual is not None:
-            if self._spare is None or self._spare.device != self.residual.device:
-                self._spare = torch.empty_like(self.residual)
-            work = self._spare.copy_(self.residual)
-        payload = codec.encode(flat, work, step=step.step, bucket=self.index, rank=step.rank)
-        if codec.collective == "allreduce":
-            values = codec.summable_view(payload, self.numel, self.dtype)
-            sent = codec.with_flag(values, work if work is not None else flat)
-            sent.div_(step.world)  # averaged before the sum (no fp16 overflow), as plain DDP does
-            communicated, received, alpha = step.allreduce(sent), payload, 1.0
-        else:
-            received = torch.empty((step.world, payload.numel()), dtype=torch.uint8, device=flat.device)
-            communicated, alpha = step.all_gather(received, payload), 1.0 / step.world
-        step.add("encode_s", time.perf_counter() - started)
-
-        def decode(done):
-            started = time.perf_counter()
-            value_or_raise(done)
-            if codec.collective == "allreduce":
-                finite = torch.isfinite(sent).all()
-                codec.apply_flag(sent, values)
-            else:
-                finite = torch.isfinite(codec.magnitude_fields(received, self.numel, self.dtype)).all()
-            codec.decode_sum(received, flat, alpha, status=step.decode_status)
-            if work is not None:
-                self.residual, self._spare = keep_if_finite(finite, work, self.residual)
-            step.count_nonfinite(finite)
-            step.add("decode_s", time.perf_counter() - started)
-            return flat
-
-        return communicated.then(decode)
-
-    def _offsets(self):
-        offset = 0
-        for key, shape in zip(self.keys, self.shapes):
-            yield key, offset, shape.numel()
-            offset += shape.numel()
-
-    def pieces(self) -> dict:
-        if self.residual is None:
-            return {}
-        return {key: {"residual": self.residual[o: o + n]} for key, o, n in self._offsets()}
-
-    def take(self, pool: dict) -> None:
-        for key, o, n in self._offsets():
-            piece = pool.pop(key, None) or {}
-            if self.residual is not None and "residual" in piece and piece["residual"].numel() == n:
-                self.residual[o: o + n].copy_(piece["residual"].reshape(-1))
-
-    def tensors(self) -> dict:
-        return {"residual": self.residual}
-
-    def spares(self) -> list:
-        return [self._spare]
-
-    def load_tensors(self, tensors: dict) -> None:
-        expected = ((self.numel,), self.dtype) if self.codec.error_feedback else (None, None)
-        check_saved_tensors(tensors, {"residual": expected}, self.index)
-        self.residual = None if tensors.get("residual") is None else tensors["residual"].clone()
-
-    @staticmethod
-    def piece_layout(codec, shape, dtype) -> dict:
-        """(shape, dtype) of each per-parameter piece of state (pieces())."""
-        return {"residual": ((torch.Size(shape).numel(),), dtype)} if codec.error_feedback else {}
-
-    def to(self, device) -> None:
-        self.residual = None if self.residual is None else self.residual.to(device)
-        self._spare = None
-
-    def __getstate__(self):
-        return {**self.__dict__, "_spare": None}
-
-    def __setstate__(self, state):  # states pickled before there were spares have none
-        self.__dict__.update({"_spare": None, **state})
+    def __setstate__(self, state):
+        self.__class__ = AllreduceBucket if state["codec"].collective == "allreduce" else AllgatherBucket
+        self.__setstate__(state)
 
 
 class _Sequencer:
@@ -226,6 +144,10 @@ class _Step:
     def all_gather(self, out: torch.Tensor, tensor: torch.Tensor) -> torch.futures.Future:
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         return self._explained(gather(out.view(-1), tensor, group=self.group, async_op=True).get_future(), "all-gather")
+
+    def all_to_all(self, out: torch.Tensor, tensor: torch.Tensor, out_splits, in_splits) -> torch.futures.Future:
+        work = dist.all_to_all_single(out.view(-1), tensor, out_splits, in_splits, group=self.group, async_op=True)
+        return self._explained(work.get_future(), "all-to-all")
 
     def count_nonfinite(self, finite: torch.Tensor) -> None:
         """Counts a bucket whose data was not finite: at once on the CPU, on the device on CUDA (read by stats())."""
@@ -358,13 +280,13 @@ class CompressionState:
     copy of the model. Residuals belong to one rank: every rank saves and loads its own.
     """
 
-    __slots__ = ("process_group", "codec", "start_iter", "min_bucket_ratio", "log_every", "iter",
+    __slots__ = ("process_group", "codec", "scheme", "start_iter", "min_bucket_ratio", "log_every", "iter",
                  "_plans", "_pool", "_param_keys", "_model", "_verified", "_total", "_last", "_current", "_warned",
                  "_sequencer", "_checks", "_device_counts")
 
-    def __init__(self, spec: str = "topk", *, process_group: dist.ProcessGroup | None = None, start_iter: int = 2,
-                 min_bucket_ratio: float = 1.0, log_every: int = 0, model: torch.nn.Module | None = None,
-                 **codec_params: Any):
+    def __init__(self, spec: str = "topk", *, process_group: dist.ProcessGroup | None = None, scheme: str = "auto",
+                 start_iter: int = 2, min_bucket_ratio: float = 1.0, log_every: int = 0,
+                 model: torch.nn.Module | None = None, **codec_params: Any):
         for name, value in (("start_iter", start_iter), ("log_every", log_every)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"gradcomp: {name}={value!r} must be an integer >= 0")
@@ -376,10 +298,11 @@ class CompressionState:
                              f"holding a NaN or Inf on any rank now always arrives non-finite on every rank, with "
                              f"residuals and Q left as they were (GradScaler skips the step)")
         self.codec = make_codec(spec, **codec_params)
+        self.scheme = check_scheme(self.codec, scheme)
         self.process_group = process_group
         self.start_iter, self.min_bucket_ratio, self.log_every = start_iter, float(min_bucket_ratio), log_every
         self.iter = 0
-        self._plans: dict[int, PayloadBucket | PowerSGDBucket] = {}
+        self._plans: dict[int, Any] = {}  # bucket index -> its plan, an instance of one of schemes.PLANS
         self._pool: dict[int, dict[str, torch.Tensor]] = {}  # per-parameter state waiting for its new bucket
         self._verified = False
         self._total, self._last, self._current = _empty_stats(), _empty_stats(), _empty_stats()
@@ -408,8 +331,8 @@ class CompressionState:
     def config(self) -> dict[str, Any]:
         """What every rank must agree on (compared at the first step) and what a checkpoint must match."""
         world = dist.get_world_size(self._group()) if dist.is_initialized() else None
-        return {"codec": self.spec, "start_iter": self.start_iter, "min_bucket_ratio": self.min_bucket_ratio,
-                "world_size": world, "wire_format": _ops._C.format_version}
+        return {"codec": self.spec, "scheme": fixed_scheme(self.codec) or self.scheme, "start_iter": self.start_iter,
+                "min_bucket_ratio": self.min_bucket_ratio, "world_size": world, "wire_format": _ops._C.format_version}
 
     def bind(self, model: torch.nn.Module) -> None:
         """Keys this state's parameters by their position in model.parameters() (the module DDP wraps), and
@@ -473,7 +396,7 @@ class CompressionState:
             step = _Step(group, dist.get_world_size(group), dist.get_rank(group), self.iter, self._current,
                          self._total, self._sequencer, _STATS_LOCK, self._device_counts.current)
             buffer = bucket.buffer()
-            step.add("raw_bytes", buffer.numel() * buffer.element_size())
+            step.add("raw_bytes", ring_allreduce_bytes(buffer.numel() * buffer.element_size(), step.world))
             step.add("buckets", 1)
             if self.iter < self.start_iter or not self._compressible(buffer):
                 future = self._plain(step, buffer)
@@ -508,7 +431,9 @@ class CompressionState:
 
     @staticmethod
     def _plain(step: _Step, tensor: torch.Tensor) -> torch.futures.Future:
-        step.add("wire_bytes", tensor.numel() * tensor.element_size())
+        ring = ring_allreduce_bytes(tensor.numel() * tensor.element_size(), step.world)
+        step.add("wire_bytes", ring)
+        step.add("received_bytes", ring)
         tensor.div_(step.world)
         return step.allreduce(tensor).then(lambda done: value_or_raise(done)[0])
 
@@ -520,16 +445,17 @@ class CompressionState:
             saved = self._saved_buckets_covering(keys, views, buffer.dtype)
             if saved:
                 return self._launch_saved(step, saved, dict(zip(keys, views)), buffer)
-            plan = self._new_plan(bucket.index(), keys, [v.shape for v in views], buffer)
+            plan = self._new_plan(step, bucket.index(), keys, [v.shape for v in views], buffer)
         return self._launch(step, plan, buffer, views)
 
     def _launch(self, step: _Step, plan, flat: torch.Tensor, views) -> torch.futures.Future:
-        raw_bytes = flat.numel() * flat.element_size()
-        if raw_bytes <= plan.wire_bytes * self.min_bucket_ratio:
-            return self._plain(step, flat)  # too small to gain from compression
+        if not self._gains(step, plan, flat):
+            return self._plain(step, flat)
         if plan.device is not None and plan.device != flat.device:  # a loaded checkpoint, kept on the CPU
             plan.to(flat.device)
-        step.add("wire_bytes", plan.wire_bytes)
+        sent, received = plan.traffic(step.world, step.rank)
+        step.add("wire_bytes", sent)
+        step.add("received_bytes", received)
         step.add("compressed_buckets", 1)
         step.decode_status = self._checks.word(step.step, flat.device)
         return plan.launch(step, flat, views)
@@ -565,19 +491,33 @@ class CompressionState:
 
         return torch.futures.collect_all(futures).then(scatter)
 
-    def _new_plan(self, index: int, keys, shapes, buffer: torch.Tensor):
+    def _gains(self, step: _Step, plan, flat: torch.Tensor) -> bool:
+        """Whether plain allreduce would send more than min_bucket_ratio x what the compressed bucket sends
+        (rank 0's figure, so that every rank decides alike; one rank alone compares the bucket with its
+        payload)."""
+        nbytes = flat.numel() * flat.element_size()
+        if step.world == 1:
+            return nbytes > plan.payload_bytes() * self.min_bucket_ratio
+        return ring_allreduce_bytes(nbytes, step.world) > plan.traffic(step.world, 0)[0] * self.min_bucket_ratio
+
+    def _new_plan(self, step: _Step, index: int, keys, shapes, buffer: torch.Tensor):
         """A bucket laid out anew: the old state of its parameters moves over, nothing is misapplied."""
         wanted = set(keys)
         for old in [i for i, p in self._plans.items() if i == index or wanted.intersection(p.keys)]:
-            self._pool.update(self._plans.pop(old).pieces())
-        plan = self._make_plan(index, keys, shapes, buffer.dtype, buffer.device)
+            plan = self._plans.pop(old)
+            self._pool.update(plan.pieces())
+            if getattr(plan, "owner_residual", None) is not None:
+                logger.warning("gradcomp: bucket %d was laid out anew; the residual of the chunk this rank owned in "
+                               "the two-phase scheme (one step's re-compression error) starts again from zero", old)
+        numel = sum(torch.Size(s).numel() for s in shapes)
+        plan = self._make_plan(plan_class(self.codec, self.scheme, numel, buffer.dtype, step.world), index, keys,
+                               shapes, buffer.dtype, buffer.device, step.world, step.rank)
         plan.take(self._pool)
         self._plans[index] = plan
         return plan
 
-    def _make_plan(self, index: int, keys, shapes, dtype: torch.dtype, device):
-        plan_class = PowerSGDBucket if isinstance(self.codec, PowerSGD) else PayloadBucket
-        return plan_class(self.codec, index, keys, shapes, dtype, device)
+    def _make_plan(self, plan_type: type, index: int, keys, shapes, dtype: torch.dtype, device, world, rank):
+        return plan_type(self.codec, index, keys, shapes, dtype, device, world=world, rank=rank)
 
     def _end_step(self) -> None:
         self.iter += 1
@@ -585,20 +525,30 @@ class CompressionState:
         self._device_counts.end_step()
         self._last, self._current = self._current, _empty_stats()
         if self.log_every and self.iter % self.log_every == 0:
-            logger.info("gradcomp %s step %d: %s", self.spec, self.iter, _describe(self.stats()["total"]))
+            stats = self.stats()
+            logger.info("gradcomp %s step %d, %s ranks: %s", self.spec, self.iter, stats["world_size"],
+                        _describe(stats["total"]))
 
     # -- stats -----------------------------------------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
-        """{"step", "last": the last finished step, "total": since the start}, each with raw and wire bytes,
-        ratio, encode and decode seconds, buckets and compressed buckets."""
+        """{"step", "world_size", "schemes": {scheme: buckets laid out for it}, "last": the last finished step,
+        "total": since the start}. "last" and "total" hold the bytes this rank sent ("wire_bytes") and
+        received under each bucket's scheme; "raw_bytes", what plain DDP's ring allreduce would have sent
+        (2(W-1)/W of each bucket); "ratio" = raw / wire, the saving against plain DDP at this world size;
+        encode and decode seconds; buckets, compressed buckets and non-finite buckets."""
 
         def with_ratio(stats, device_nonfinite):
             stats = {**stats, "nonfinite_buckets": stats["nonfinite_buckets"] + device_nonfinite}
             return {**stats, "ratio": stats["raw_bytes"] / stats["wire_bytes"] if stats["wire_bytes"] else 1.0}
 
         counts = self._device_counts
-        return {"step": self.iter, "last": with_ratio(self._last, counts.read(counts.last)),
+        schemes: dict[str, int] = {}
+        for plan in self._plans.values():
+            schemes[plan.scheme] = schemes.get(plan.scheme, 0) + 1
+        world = dist.get_world_size(self._group()) if dist.is_initialized() else None
+        return {"step": self.iter, "world_size": world, "schemes": schemes,
+                "last": with_ratio(self._last, counts.read(counts.last)),
                 "total": with_ratio(self._total, counts.read(counts.total.values()))}
 
     def memory_bytes(self) -> int:
@@ -620,7 +570,7 @@ class CompressionState:
         return {
             "format": STATE_FORMAT, "config": self.config(), "rank": rank, "iter": self.iter,
             "buckets": [{"index": p.index, "keys": list(p.keys), "shapes": [list(s) for s in p.shapes],
-                         "dtype": str(p.dtype).removeprefix("torch."),
+                         "dtype": str(p.dtype).removeprefix("torch."), "scheme": p.scheme,
                          "tensors": {k: clone(t) for k, t in p.tensors().items()}} for p in self._plans.values()],
             "pool": {key: {k: clone(t) for k, t in piece.items()} for key, piece in self._pool.items()},
             "total": dict(self._total),
@@ -632,9 +582,9 @@ class CompressionState:
             found = state.get("format") if isinstance(state, dict) else None
             raise ValueError(f"gradcomp: not a gradcomp state (format {STATE_FORMAT}); got "
                              f"{type(state).__name__} with format {found}")
-        mine = {k: v for k, v in self.config().items() if k != "nonfinite"}  # the policy may change on resume
-        differing = {k: (state["config"].get(k), v) for k, v in mine.items()
-                     if state["config"].get(k) != v and not (k == "world_size" and None in (v, state["config"].get(k)))}
+        saved_config = {"scheme": self._scheme_before_schemes(), **state["config"]}
+        differing = {k: (saved_config.get(k), v) for k, v in self.config().items()
+                     if saved_config.get(k) != v and not (k == "world_size" and None in (v, saved_config.get(k)))}
         if differing:
             listing = ", ".join(f"{k}: saved {saved!r}, now {now!r}" for k, (saved, now) in differing.items())
             hint = ("; residuals belong to the ranks that built them, so a run on another number of ranks starts "
@@ -646,9 +596,12 @@ class CompressionState:
             raise ValueError(f"gradcomp: this state holds rank {state['rank']}'s residuals; this is rank {rank} "
                              f"(every rank loads the state it saved)")
         plans = {}
+        world, saved_rank = saved_config.get("world_size") or 1, state.get("rank") or 0
         for saved in state["buckets"]:
             dtype = _saved_dtype(saved["dtype"])
-            plan = self._make_plan(saved["index"], saved["keys"], saved["shapes"], dtype, "cpu")
+            plan_type = self._saved_plan_type(saved.get("scheme", self._scheme_before_schemes()))
+            plan = self._make_plan(plan_type, saved["index"], saved["keys"], saved["shapes"], dtype, "cpu", world,
+                                   saved_rank)
             plan.load_tensors(saved["tensors"])
             plans[saved["index"]] = plan
         pool = {int(k): dict(v) for k, v in state["pool"].items()}
@@ -669,6 +622,18 @@ class CompressionState:
         if model is not None:
             self._check_against(list(model.parameters()))
 
+    def _scheme_before_schemes(self) -> str:
+        """The scheme of a state saved before states named their schemes: the codec's one, else allgather."""
+        return fixed_scheme(self.codec) or AllgatherBucket.scheme
+
+    def _saved_plan_type(self, scheme) -> type:
+        fixed = fixed_scheme(self.codec)
+        allowed = [fixed] if fixed else [AllgatherBucket.scheme, TwoPhaseBucket.scheme]
+        if scheme not in allowed:
+            raise ValueError(f"gradcomp: the state holds a bucket of scheme {scheme!r}; {self.codec.name} travels by "
+                             f"{' or '.join(allowed)}")
+        return PLANS[scheme]
+
     def _check_against(self, params: list) -> None:
         """Refuses state that does not fit the model: a parameter position it lacks, or another shape or dtype."""
         def parameter(key, where):
@@ -684,10 +649,10 @@ class CompressionState:
                     raise ValueError(f"gradcomp: bucket {plan.index}'s state of parameter {key} is for shape "
                                      f"{list(shape)} {plan.dtype}; the model's parameter {key} is {list(p.shape)} "
                                      f"{p.dtype}")
-        plan_class = PowerSGDBucket if isinstance(self.codec, PowerSGD) else PayloadBucket
+        layout = PLANS[fixed_scheme(self.codec) or AllgatherBucket.scheme].piece_layout  # alike for both gathered
         for key, piece in self._pool.items():
             p = parameter(key, "state")
-            expected = plan_class.piece_layout(self.codec, p.shape, p.dtype)
+            expected = layout(self.codec, p.shape, p.dtype)
             for name, tensor in piece.items():
                 check_tensor(f"{name} of parameter {key}", tensor, *expected.get(name, (None, None)))
 
@@ -700,6 +665,8 @@ class CompressionState:
         self._unbind()  # parameters are matched anew when the state meets its model
         for name, value in state.items():
             setattr(self, name, value)
+        if "scheme" not in state:  # pickled before there were schemes to choose from
+            self.scheme = "auto" if fixed_scheme(self.codec) else AllgatherBucket.scheme
 
 
 def _saved_dtype(name) -> torch.dtype:
@@ -724,13 +691,17 @@ def hook(state, bucket):  # DDP checks the annotations, which this module's stri
 
 
 def register(ddp_model: torch.nn.parallel.DistributedDataParallel, spec: "str | CompressionState" = "topk", *,
-             process_group: dist.ProcessGroup | None = None, start_iter: int = 2, min_bucket_ratio: float = 1.0,
-             log_every: int = 0, **codec_params: Any) -> CompressionState:
+             process_group: dist.ProcessGroup | None = None, scheme: str = "auto", start_iter: int = 2,
+             min_bucket_ratio: float = 1.0, log_every: int = 0, **codec_params: Any) -> CompressionState:
     """Registers codec `spec` as ddp_model's communication hook; returns its state (for stats and checkpoints).
 
     spec: a codec spec, or a CompressionState (say, one unpickled or loaded from a checkpoint), which is
         then registered as it is (with no other options).
     process_group: the group to communicate in; by default the one DDP was built with.
+    scheme: how signsgd, terngrad, qsgd and topk payloads travel: "allgather" (every rank's payload to
+        every rank: W-1 payloads sent per rank), "two-phase" (chunks to their owners, re-encoded averages
+        back: about 2 payloads per rank at any W), or "auto" (the default): per bucket, the one that sends
+        fewer bytes at this world size. Other codecs have one scheme and take only "auto".
     start_iter: steps of plain allreduce first (past DDP's bucket rebuild after step 0).
     min_bucket_ratio: a bucket is compressed only when raw bytes > this x its bytes on the wire.
     log_every: log the cumulative stats to the "gradcomp" logger every N steps (0: never).
@@ -743,7 +714,8 @@ def register(ddp_model: torch.nn.parallel.DistributedDataParallel, spec: "str | 
                            f"model; DDP takes one communication hook per model")
     group = process_group if process_group is not None else ddp_model.process_group
     if isinstance(spec, CompressionState):
-        options = {"start_iter": (start_iter, 2), "min_bucket_ratio": (min_bucket_ratio, 1.0),
+        options = {"scheme": (scheme, "auto"), "start_iter": (start_iter, 2),
+                   "min_bucket_ratio": (min_bucket_ratio, 1.0),
                    "log_every": (log_every, 0), **{k: (v, None) for k, v in codec_params.items()}}
         given = [k for k, (value, default) in options.items() if value != default]
         if given:
@@ -754,8 +726,9 @@ def register(ddp_model: torch.nn.parallel.DistributedDataParallel, spec: "str | 
             state.process_group = group
         state.bind(ddp_model.module)
     else:
-        state = CompressionState(spec, process_group=group, start_iter=start_iter, min_bucket_ratio=min_bucket_ratio,
-                                 log_every=log_every, model=ddp_model.module, **codec_params)
+        state = CompressionState(spec, process_group=group, scheme=scheme, start_iter=start_iter,
+                                 min_bucket_ratio=min_bucket_ratio, log_every=log_every, model=ddp_model.module,
+                                 **codec_params)
     ddp_model.register_comm_hook(state, hook)
     ddp_model._gradcomp_state = state
     return state

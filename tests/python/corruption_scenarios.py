@@ -228,14 +228,15 @@ def counted_collectives(rank, world, specs, steps):
 def no_host_sync(rank, world, specs, steps):
     """World size 1 on NCCL, one GPU: per spec, DDP steps whose backward (every bucket's hook and its
     callbacks) runs under torch.cuda.set_sync_debug_mode("error"), which raises at any host-device sync.
-    Returns per spec the error text, or None, and the stats."""
+    A spec may end with " two-phase" (that scheme). Returns per spec the error text, or None, and the stats."""
     group = dist.new_group([0], backend="nccl")
     device = torch.device("cuda", 0)
     out = {}
     for spec in specs:
         model = make_model().to(device)
         ddp = DDP(model, device_ids=[0], bucket_cap_mb=BUCKET_CAP_MB, process_group=group)
-        state = gradcomp.register(ddp, spec, start_iter=1)
+        codec_spec, _, scheme = spec.partition(" ")
+        state = gradcomp.register(ddp, codec_spec, start_iter=1, scheme=scheme or "auto")
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         error = None
         for step in range(steps):

@@ -148,6 +148,19 @@ def test_ddp_hook_with_two_ranks_on_one_gpu():
             assert torch.equal(got, want), spec
 
 
+@needs_cuda_build
+def test_the_two_phase_scheme_on_the_gpu_gives_the_cpu_bits():
+    """Two ranks on cuda:0, every gathered codec in the two-phase scheme: each bucket's output and both
+    residuals equal the CPU reference built from the rank's recorded gradients."""
+    import two_phase_scenarios
+    from test_two_phase import SPECS, TWO_PHASE, check_against_reference
+
+    configs = {spec: ("mlp", spec, TWO_PHASE) for spec in SPECS}
+    results = unwrap(run_ranks(two_phase_scenarios.recorded_steps, 2, (configs, 4, "cuda"), timeout=600))
+    for spec in SPECS:
+        check_against_reference(2, results, spec, spec)
+
+
 def test_the_hook_reads_device_status_words_back_without_waiting():
     """A problem a CUDA decode OR-ed into a step's word raises at a later step's poll, once its copy landed."""
     from gradcomp.hook import _DecodeChecks
@@ -169,7 +182,7 @@ def test_a_ddp_step_of_every_codec_makes_no_host_sync():
     import corruption_scenarios
 
     specs = ["none", "fp16", "bf16", "signsgd", "terngrad", "qsgd", "topk:ratio=0.1", "randomk:ratio=0.1",
-             "powersgd:rank=2"]
+             "powersgd:rank=2", "signsgd two-phase", "qsgd two-phase", "topk:ratio=0.1 two-phase"]
     result = unwrap(run_ranks(corruption_scenarios.no_host_sync, 1, (specs, 4)))[0]
     for spec in specs:
         assert result[spec]["error"] is None, (spec, result[spec]["error"])

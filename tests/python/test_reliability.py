@@ -33,7 +33,28 @@ def nonfinite_runs():
 
 @pytest.mark.parametrize("spec", NONFINITE_SPECS)
 def test_nonfinite_gradient_makes_the_bucket_nonfinite_everywhere_and_spares_the_state(nonfinite_runs, spec):
-    runs = [r[spec] for r in nonfinite_runs]
+    _check_nonfinite([r[spec] for r in nonfinite_runs], spec)
+
+
+# At 3 ranks the gathered codecs' larger buckets take the two-phase scheme: a NaN or Inf must survive the
+# owners' re-encoding, and the owners' residuals be spared too.
+TWO_PHASE_NONFINITE_SPECS = ["topk:ratio=0.1", "signsgd", "terngrad:error_feedback=true", "qsgd:error_feedback=true"]
+
+
+@pytest.fixture(scope="module")
+def two_phase_nonfinite_runs():
+    return unwrap(run_ranks(scenarios.nonfinite, 3, (TWO_PHASE_NONFINITE_SPECS, BAD_STEP, STEPS)))
+
+
+@pytest.mark.parametrize("spec", TWO_PHASE_NONFINITE_SPECS)
+def test_nonfinite_gradient_under_the_two_phase_scheme(two_phase_nonfinite_runs, spec):
+    runs = [r[spec] for r in two_phase_nonfinite_runs]
+    poisoned = _poisoned([sorted(run["buckets"].items()) for run in runs])
+    assert all("owner_residual" in run["buckets"][i]["before"] for run in runs for i in poisoned)  # two-phase
+    _check_nonfinite(runs, spec)
+
+
+def _check_nonfinite(runs, spec):
     records = [sorted(run["buckets"].items()) for run in runs]
     poisoned = _poisoned(records)
     assert len(poisoned) == 1, poisoned  # the middle layer's weight lies in one bucket
@@ -61,8 +82,9 @@ def test_nonfinite_gradient_makes_the_bucket_nonfinite_everywhere_and_spares_the
         assert run["stats"]["nonfinite_buckets"] == 1
         assert run["stats"]["compressed_buckets"] > 0
     # Every rank got the same averaged gradient, NaN for NaN.
-    for (index, a), (_, b) in zip(*records):
-        torch.testing.assert_close(a["out"], b["out"], rtol=0, atol=0, equal_nan=True)
+    for first, *others in zip(*records):
+        for other in others:
+            torch.testing.assert_close(first[1]["out"], other[1]["out"], rtol=0, atol=0, equal_nan=True)
 
 
 FAULTS = [("topk:ratio=0.1", {}, "die"), ("topk:ratio=0.1", {}, "stall"),

@@ -1,0 +1,93 @@
+"""What every bucket plan shares: its parameters, its bytes on the wire, and the error-feedback residual
+of the codecs that speak the wire format (allreduce, allgather and two-phase keep it alike)."""
+
+from __future__ import annotations
+
+import torch
+
+from .._tensors import check_saved_tensors
+
+
+def ring_allreduce_bytes(nbytes: int, world: int) -> int:
+    """Bytes one rank sends (and receives) in a ring allreduce of nbytes: a reduce-scatter and an
+    all-gather, each W-1 steps of 1/W of the tensor. What plain DDP sends for a bucket of nbytes."""
+    return 2 * (world - 1) * nbytes // world if world > 1 else 0
+
+
+class ResidualPlan:
+    """A bucket under a wire-format codec, with its error-feedback residual (one element per gradient
+    element), kept per parameter so that a new bucket layout takes it over.
+
+    The interface every scheme's plan offers the hook:
+        traffic(world, rank) -> (bytes sent, bytes received) by this rank per step;
+        expected_sent(codec, numel, dtype, world) -> the same for any rank (the scheme choice);
+        launch(step, flat, views) -> a Future that completes with flat holding the averaged gradient;
+        pieces() / take(pool), tensors() / load_tensors(), spares(), piece_layout(), to(device): state.
+    """
+
+    scheme = "?"
+
+    def __init__(self, codec, index: int, keys, shapes, dtype: torch.dtype, device, *, world: int = 1, rank: int = 0):
+        self.codec, self.index, self.keys, self.dtype = codec, index, tuple(keys), dtype
+        self.world, self.rank = world, rank
+        self.shapes = [torch.Size(s) for s in shapes]
+        self.numel = sum(s.numel() for s in self.shapes)
+        self.residual = torch.zeros(self.numel, dtype=dtype, device=device) if codec.error_feedback else None
+        self._spare = None  # the residual a step writes, kept only if the step's data is finite
+
+    @property
+    def device(self):
+        return None if self.residual is None else self.residual.device
+
+    def _working_residual(self) -> torch.Tensor | None:
+        """A copy of the residual for this step's encode to update (the state until the step proves finite)."""
+        if self.residual is None:
+            return None
+        if self._spare is None or self._spare.device != self.residual.device:
+            self._spare = torch.empty_like(self.residual)
+        return self._spare.copy_(self.residual)
+
+    def _offsets(self):
+        offset = 0
+        for key, shape in zip(self.keys, self.shapes):
+            yield key, offset, shape.numel()
+            offset += shape.numel()
+
+    def pieces(self) -> dict:
+        if self.residual is None:
+            return {}
+        return {key: {"residual": self.residual[o: o + n]} for key, o, n in self._offsets()}
+
+    def take(self, pool: dict) -> None:
+        for key, o, n in self._offsets():
+            piece = pool.pop(key, None) or {}
+            if self.residual is not None and "residual" in piece and piece["residual"].numel() == n:
+                self.residual[o: o + n].copy_(piece["residual"].reshape(-1))
+
+    def tensors(self) -> dict:
+        return {"residual": self.residual}
+
+    def spares(self) -> list:
+        return [self._spare]
+
+    def _expected_tensors(self) -> dict:
+        return {"residual": ((self.numel,), self.dtype) if self.codec.error_feedback else (None, None)}
+
+    def load_tensors(self, tensors: dict) -> None:
+        check_saved_tensors(tensors, self._expected_tensors(), self.index)
+        self.residual = None if tensors.get("residual") is None else tensors["residual"].clone()
+
+    @staticmethod
+    def piece_layout(codec, shape, dtype) -> dict:
+        """(shape, dtype) of each per-parameter piece of state (pieces())."""
+        return {"residual": ((torch.Size(shape).numel(),), dtype)} if codec.error_feedback else {}
+
+    def to(self, device) -> None:
+        self.residual = None if self.residual is None else self.residual.to(device)
+        self._spare = None
+
+    def __getstate__(self):
+        return {**self.__dict__, "_spare": None}
+
+    def __setstate__(self, state):  # states pickled before there were spares have none
+        self.__dict__.update({"_spare": None, "world": 1, "rank": 0, **state})

@@ -1,0 +1,210 @@
+"""The two-phase scheme (signsgd, terngrad, qsgd, topk): a compressed allreduce whose bytes per rank do
+not grow with the world size W.
+
+The bucket is cut into W chunks (balanced: the first numel % W chunks hold one element more), and
+chunk j belongs to rank j.
+    1. Every rank encodes each chunk as a payload of its own (with its error-feedback residual), and an
+       all-to-all sends chunk j's payload to rank j.
+    2. Rank j decodes and sums the W payloads of its chunk, times 1/W, and encodes that average again:
+       with an owner-side residual of its own when the codec keeps error feedback (signsgd, topk), with
+       fresh randomness when it is unbiased (terngrad, qsgd). topk keeps ceil(ratio * chunk) values of
+       each chunk, so every payload has a fixed size.
+    3. An all-gather of the re-encoded chunks, padded to the largest chunk payload, gives every rank
+       every chunk's average, decoded in place.
+Each rank sends about 2(W-1)/W payloads of the bucket plus 2(W-1) headers, against (W-1) payloads for
+the allgather scheme. The all-gather is started from a callback, so it goes through the step's
+sequencer, which issues the buckets' second collectives in one order on every rank.
+
+Randomness: stochastic codecs draw their keys per payload, as the rank argument of encode: chunk j of
+rank r uses r * W + j, rank r's re-encode of its own chunk uses W * W + r; no two payloads of a step
+and bucket share a stream.
+
+Non-finite data: a NaN or Inf in a rank's chunk shows in that chunk payload's scale, norms or values;
+the owner's average of it is non-finite, and so is its re-encoded payload's field, which every rank
+receives. Every rank reads the same verdict from the gathered payloads, and keeps both its residuals
+as they were when it is not finite.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .._futures import value_or_raise
+from .._tensors import keep_if_finite
+from .base import ResidualPlan
+
+
+def chunk_bounds(numel: int, world: int) -> list[tuple[int, int]]:
+    """(start, end) of each of the W chunks: numel // W elements each, one more for the first numel % W."""
+    base, extra = divmod(numel, world)
+    bounds, start = [], 0
+    for j in range(world):
+        end = start + base + (j < extra)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+def chunk_stream(rank: int, chunk: int, world: int) -> int:
+    """The stream key (encode's rank argument) of chunk's payload from rank."""
+    return rank * world + chunk
+
+
+def owner_stream(rank: int, world: int) -> int:
+    """The stream key of rank's re-encode of the chunk it owns."""
+    return world * world + rank
+
+
+MAX_WORLD = 65535  # world * world + rank must fit encode's 32-bit rank key
+
+
+def _payload_sizes(codec, numel: int, dtype: torch.dtype, world: int) -> list[int]:
+    return [codec.payload_nbytes(end - start, dtype) for start, end in chunk_bounds(numel, world)]
+
+
+class TwoPhaseBucket(ResidualPlan):
+    scheme = "two-phase"
+
+    def __init__(self, codec, index, keys, shapes, dtype, device, *, world: int = 1, rank: int = 0):
+        if not 1 <= world <= MAX_WORLD:
+            raise ValueError(f"gradcomp: the two-phase scheme takes 1 to {MAX_WORLD} ranks, not {world}; "
+                             f"use scheme='allgather'")
+        super().__init__(codec, index, keys, shapes, dtype, device, world=world, rank=rank)
+        self.bounds = chunk_bounds(self.numel, world)
+        self.sizes = _payload_sizes(codec, self.numel, dtype, world)
+        self.width = max(self.sizes)  # every re-encoded chunk travels in a row of this many bytes
+        start, end = self.bounds[rank]
+        # The owner's residual: what re-encoding the average of its chunk left out (biased codecs only).
+        self.owner_residual = torch.zeros(end - start, dtype=dtype, device=device) if codec.error_feedback else None
+        self._owner_spare = None
+
+    @staticmethod
+    def expected_sent(codec, numel: int, dtype: torch.dtype, world: int) -> int:
+        """Bytes a rank sends, averaged over the ranks (the chunks' payloads differ by at most one element)."""
+        sizes = _payload_sizes(codec, numel, dtype, world)
+        return (world - 1) * sum(sizes) // world + (world - 1) * max(sizes)
+
+    def traffic(self, world: int, rank: int) -> tuple[int, int]:
+        sent = sum(self.sizes) - self.sizes[rank] + (world - 1) * self.width
+        received = (world - 1) * self.sizes[rank] + (world - 1) * self.width
+        return sent, received
+
+    def payload_bytes(self) -> int:
+        return sum(self.sizes)
+
+    def _working_owner_residual(self) -> torch.Tensor | None:
+        if self.owner_residual is None:
+            return None
+        if self._owner_spare is None or self._owner_spare.device != self.owner_residual.device:
+            self._owner_spare = torch.empty_like(self.owner_residual)
+        return self._owner_spare.copy_(self.owner_residual)
+
+    def launch(self, step, flat: torch.Tensor, views) -> torch.futures.Future:
+        started = time.perf_counter()
+        codec, world, rank = self.codec, step.world, step.rank
+        if (world, rank) != (self.world, self.rank):
+            raise RuntimeError(f"gradcomp: bucket {self.index} was laid out for rank {self.rank} of {self.world}, "
+                               f"this is rank {rank} of {world}")
+        work = self._working_residual()
+        payloads = [codec.encode(flat[a:b], None if work is None else work[a:b], step=step.step, bucket=self.index,
+                                 rank=chunk_stream(rank, j, world)) for j, (a, b) in enumerate(self.bounds)]
+        mine = torch.empty((world, self.sizes[rank]), dtype=torch.uint8, device=flat.device)
+        row = torch.zeros(self.width, dtype=torch.uint8, device=flat.device)
+        rows = torch.empty((world, self.width), dtype=torch.uint8, device=flat.device)
+        owner_work = self._working_owner_residual()
+        result = step.new_future(flat.device)
+        ticket = step.sequencer.ticket(result)  # the all-gather starts from a callback: keep rank order
+        row_ready = []  # on CUDA: an event after the re-encode, which runs on the all-to-all's callback thread
+
+        def reencode(exchanged):
+            started = time.perf_counter()
+            value_or_raise(exchanged)
+            a, b = self.bounds[rank]
+            average = torch.empty(b - a, dtype=self.dtype, device=flat.device)
+            codec.decode_sum(mine, average, 1.0 / world, status=step.decode_status)
+            again = codec.encode(average, owner_work, step=step.step, bucket=self.index, rank=owner_stream(rank, world))
+            row[: again.numel()].copy_(again)
+            if row.is_cuda:
+                row_ready.append(torch.cuda.Event())
+                row_ready[0].record(torch.cuda.current_stream(row.device))
+            step.add("decode_s", time.perf_counter() - started)
+
+        def after_exchange(exchanged):
+            try:
+                reencode(exchanged)
+            except BaseException as error:  # noqa: BLE001 - handed to the waiting DDP reducer
+                result.set_exception(error)
+            step.sequencer.submit(ticket, launch_gather)
+
+        def launch_gather():  # issued even after an error here, so that the other ranks are not left waiting
+            try:
+                if row_ready:  # the sequencer issues the gather from another thread, whose stream must wait
+                    torch.cuda.current_stream(row.device).wait_event(row_ready[0])
+                step.chain(step.all_gather(rows, row), decode, result)
+            except BaseException as error:  # noqa: BLE001 - handed to the waiting DDP reducer
+                if not result.done():
+                    result.set_exception(error)
+
+        def decode(gathered):
+            started = time.perf_counter()
+            gathered.value()
+            if result.done():  # this rank failed earlier in the step
+                return
+            finite = self._all_finite(rows)
+            for j, (a, b) in enumerate(self.bounds):
+                codec.decode_sum(rows[j, : self.sizes[j]], flat[a:b], 1.0, status=step.decode_status)
+            if work is not None:
+                self.residual, self._spare = keep_if_finite(finite, work, self.residual)
+            if owner_work is not None:
+                self.owner_residual, self._owner_spare = keep_if_finite(finite, owner_work, self.owner_residual)
+            step.count_nonfinite(finite)
+            step.add("decode_s", time.perf_counter() - started)
+            result.set_result(flat)
+
+        try:
+            sent = torch.cat(payloads)
+            step.add("encode_s", time.perf_counter() - started)
+            step.chain(step.all_to_all(mine, sent, [self.sizes[rank]] * world, self.sizes), after_exchange, result)
+        except BaseException:
+            step.sequencer.submit(ticket, lambda: None)  # the step ends here: nothing for the gather to wait on
+            raise
+        return result.then(value_or_raise)  # result may fail by set_exception(): see value_or_raise
+
+    def _all_finite(self, rows: torch.Tensor) -> torch.Tensor:
+        """Whether every re-encoded chunk's magnitude fields are finite (rows of equal chunks checked together)."""
+        verdicts, j = [], 0
+        while j < len(self.bounds):
+            n = self.bounds[j][1] - self.bounds[j][0]
+            end = j
+            while end < len(self.bounds) and self.bounds[end][1] - self.bounds[end][0] == n:
+                end += 1
+            fields = self.codec.magnitude_fields(rows[j:end, : self.sizes[j]], n, self.dtype)
+            verdicts.append(torch.isfinite(fields).all())
+            j = end
+        return torch.stack(verdicts).all()
+
+    def tensors(self) -> dict:
+        return {"residual": self.residual, "owner_residual": self.owner_residual}
+
+    def spares(self) -> list:
+        return [self._spare, self._owner_spare]
+
+    def _expected_tensors(self) -> dict:
+        start, end = self.bounds[self.rank]
+        owner = ((end - start,), self.dtype) if self.codec.error_feedback else (None, None)
+        return {**super()._expected_tensors(), "owner_residual": owner}
+
+    def load_tensors(self, tensors: dict) -> None:
+        super().load_tensors(tensors)
+        owner = tensors.get("owner_residual")
+        self.owner_residual = None if owner is None else owner.clone()
+
+    def to(self, device) -> None:
+        super().to(device)
+        self.owner_residual = None if self.owner_residual is None else self.owner_residual.to(device)
+        self._owner_spare = None
+
+    def __getstate__(self):
+        return {**super().__getstate__(), "_owner_spare": None}
