@@ -1,4 +1,5 @@
-"""What the benchmark scripts share: the machine a result came from, and writing JSON and CSV."""
+"""What the benchmark scripts share: the machine a result came from, writing JSON and CSV, and whether
+this process can shape links."""
 
 from __future__ import annotations
 
@@ -6,7 +7,9 @@ import csv
 import json
 import os
 import platform
+import shutil
 import subprocess
+import sys
 import time
 
 import torch
@@ -39,3 +42,15 @@ def write_results(stem: str, report: dict, rows: list[dict]) -> None:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
+
+
+def shaping_problem() -> str | None:
+    """Why this process cannot set up network namespaces and tc rate limits, or None."""
+    if not sys.platform.startswith("linux"):
+        return "network namespaces and tc are Linux features"
+    if os.geteuid() != 0:
+        return "setting up network namespaces and tc rate limits needs root (CAP_NET_ADMIN)"
+    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    if missing:
+        return f"{' and '.join(missing)} not found (Debian: apt-get install iproute2)"
+    return None

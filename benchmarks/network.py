@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -42,7 +41,7 @@ import gradcomp
 
 sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)),
                 os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")]
-from bench_common import machine, write_results  # noqa: E402
+from bench_common import machine, shaping_problem, write_results  # noqa: E402
 from train_ddp import find_free_port, finish_spawned_rank  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -173,18 +172,6 @@ def worker(args) -> None:
 
 
 # -- the shaped link ---------------------------------------------------------------------------------------------------
-
-def shaping_problem() -> str | None:
-    """Why this process cannot shape a link, or None."""
-    if not sys.platform.startswith("linux"):
-        return "network namespaces and tc are Linux features"
-    if os.geteuid() != 0:
-        return "setting up a network namespace and a tc rate limit needs root (CAP_NET_ADMIN)"
-    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
-    if missing:
-        return f"{' and '.join(missing)} not found (Debian: apt-get install iproute2)"
-    return None
-
 
 def run_worker(args, rate: str | None) -> dict:
     """One worker process for one link: inside a fresh namespace shaped to `rate`, or unshaped (None)."""

@@ -43,6 +43,8 @@ import gradcomp
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--compressor", default="topk:ratio=0.01", help='codec spec; "none" is plain DDP')
+    parser.add_argument("--scheme", default="auto", choices=["auto", "allgather", "two-phase"],
+                        help="how signsgd, terngrad, qsgd and topk travel (auto: the one sending fewer bytes)")
     parser.add_argument("--epochs", type=int, default=40)
     parser.add_argument("--batch-size", type=int, default=100, help="global batch, split over the ranks")
     parser.add_argument("--lr", type=float, default=0.3,
@@ -181,7 +183,7 @@ def run(rank: int, world: int, local_rank: int, backend: str, args: argparse.Nam
         model.load_state_dict(saved["model"])
         optimizer.load_state_dict(saved["optimizer"])
     ddp_model = DistributedDataParallel(model, device_ids=[local_rank] if device.type == "cuda" else None)
-    state = gradcomp.register(ddp_model, args.compressor)
+    state = gradcomp.register(ddp_model, args.compressor, scheme=args.scheme)
     if saved:
         state.load_state_dict(saved["compressor"])
     first_epoch = saved["epoch"] + 1 if saved else 0
@@ -230,7 +232,8 @@ def run(rank: int, world: int, local_rank: int, backend: str, args: argparse.Nam
         history.append(record)
         if is_main:
             print(f"epoch {epoch:2d}  loss {record['loss']:.3f}  test acc {record['test_acc']:.1f}%  "
-                  f"wire {human_bytes(wire)} vs {human_bytes(raw)} raw ({raw / max(wire, 1):.1f}x)", flush=True)
+                  f"sent {human_bytes(wire)} vs plain DDP's {human_bytes(raw)} ({raw / max(wire, 1):.1f}x)",
+                  flush=True)
         if path:
             save_checkpoint(path, {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch,
                                    "compressor": state.state_dict(), "history": history})
@@ -240,11 +243,14 @@ def run(rank: int, world: int, local_rank: int, backend: str, args: argparse.Nam
         seconds = time.time() - args.started
         accuracy = history[-1]["test_acc"] if history else float("nan")
         ratio = total["raw_bytes"] / max(total["wire_bytes"], 1)
-        print(f"final test acc {accuracy:.1f}%  wire {human_bytes(total['wire_bytes'])} vs "
-              f"{human_bytes(total['raw_bytes'])} raw per rank ({ratio:.1f}x)  wall {seconds:.1f} s", flush=True)
+        schemes = ", ".join(f"{n} {name}" for name, n in state.stats()["schemes"].items()) or "none compressed"
+        print(f"final test acc {accuracy:.1f}%  each rank sent {human_bytes(total['wire_bytes'])} vs plain DDP's "
+              f"{human_bytes(total['raw_bytes'])} at {world} ranks ({ratio:.1f}x; buckets: {schemes})  "
+              f"wall {seconds:.1f} s", flush=True)
         if args.json:
             summary = {"final_test_acc": accuracy, "epochs": history, "wire_bytes": total["wire_bytes"],
-                       "raw_bytes": total["raw_bytes"], "ratio": ratio, "compressor": state.spec,
+                       "raw_bytes": total["raw_bytes"], "received_bytes": total["received_bytes"], "ratio": ratio,
+                       "compressor": state.spec, "schemes": state.stats()["schemes"],
                        "world_size": world, "backend": backend, "seconds": seconds, "args": vars(args)}
             with open(args.json, "w") as f:
                 json.dump(summary, f, indent=2)

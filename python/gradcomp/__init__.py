@@ -2,6 +2,7 @@
 
     import gradcomp
     state = gradcomp.register(ddp_model, "topk:ratio=0.01")   # the DDP communication hook
+    # scheme="auto": per bucket, allgather or two-phase (chunks to owners), whichever sends fewer bytes
     state.stats(), state.state_dict()                         # bytes on the wire; checkpoints
     gradcomp.available()                      # every codec with its parameters and defaults
     c = gradcomp.codec("qsgd:levels=16,block=512")

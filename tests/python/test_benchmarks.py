@@ -75,11 +75,35 @@ def test_network_tiny_mode(tmp_path):
     assert (tmp_path / "network_tiny.png").read_bytes()[:8] == PNG_MAGIC
 
 
-def test_network_without_root_explains_and_exits_cleanly(tmp_path, monkeypatch, capsys):
-    spec = importlib.util.spec_from_file_location("network_benchmark", BENCHMARKS / "network.py")
-    network = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(network)
-    monkeypatch.setattr(network.os, "geteuid", lambda: 1000)
-    assert network.main(["--out", str(tmp_path)]) == 0
+@pytest.mark.parametrize("script", ["network.py", "scaling.py"])
+def test_network_benchmarks_without_root_explain_and_exit_cleanly(script, tmp_path, monkeypatch, capsys):
+    spec = importlib.util.spec_from_file_location(script.removesuffix(".py") + "_benchmark", BENCHMARKS / script)
+    benchmark = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(benchmark)
+    monkeypatch.setattr(benchmark.os, "geteuid", lambda: 1000)
+    assert benchmark.main(["--out", str(tmp_path)]) == 0
     assert "needs root" in capsys.readouterr().out
     assert not any(tmp_path.iterdir())  # nothing measured, nothing written
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a namespace and a link per rank need root (the no-root path is below)")
+def test_scaling_quick_mode_counts_the_bytes_each_rank_sends(tmp_path):
+    out = run_script(BENCHMARKS / "scaling.py", "--quick", "--out", tmp_path)
+    report = json.loads((tmp_path / "scaling_quick.json").read_text())
+    rows = {(row["link"], row["world"], row["config"]): row for row in report["rows"]}
+    assert {key[:2] for key in rows} == {("unshaped", 2), ("unshaped", 3), ("1gbit", 2), ("1gbit", 3)}, out
+    for world in (2, 3):
+        plain = rows[("unshaped", world, "plain DDP")]
+        ring = 2 * (world - 1) * report["gradient_bytes"] / world
+        assert ring < plain["tx_bytes_per_step"] < 1.15 * ring  # the ring allreduce, plus TCP/IP headers
+        for config in ("signsgd two-phase", "signsgd allgather", "topk:ratio=0.01 auto"):
+            row = rows[("unshaped", world, config)]
+            assert 0.9 < row["tx_vs_stats"] < 1.1, row  # the kernel's counters agree with gradcomp's stats
+        assert rows[("1gbit", world, "no communication (limit)")]["vs_limit"] == 1.0
+    # From 3 ranks on, two-phase sends less than allgather, and auto picked it.
+    assert rows[("unshaped", 3, "signsgd two-phase")]["tx_bytes_per_step"] < \
+        0.8 * rows[("unshaped", 3, "signsgd allgather")]["tx_bytes_per_step"]
+    assert rows[("unshaped", 3, "topk:ratio=0.01 auto")]["schemes"] == {"two-phase": len(report["bucket_numels"])}
+    assert {m["world"] for m in report["model"]} == {64, 128, 256, 512, 1024}
+    assert (tmp_path / "scaling_quick.png").read_bytes()[:8] == PNG_MAGIC
+
