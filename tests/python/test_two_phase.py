@@ -140,6 +140,14 @@ def test_the_default_scheme_is_the_cheaper_one(runs):
     assert set(run["state_schemes"]) == {expected} and run["stats"]["schemes"] == {expected: len(run["state_schemes"])}
 
 
+def test_signsgd_summing_signs_warns_once_of_its_measured_accuracy_loss_under_two_phase(runs):
+    _, results = runs
+    for rank_result in results:
+        assert sum("lost accuracy" in w for w in rank_result["signsgd"]["warnings"]) == 1
+        for name in ("signsgd:vote=true", "qsgd", "topk:ratio=0.05", "terngrad"):
+            assert not any("lost accuracy" in w for w in rank_result[name]["warnings"]), name
+
+
 def test_scheme_choice_by_bytes():
     qsgd, topk = gradcomp.codec("qsgd"), gradcomp.codec("topk:ratio=0.01")
     for codec in (qsgd, topk):

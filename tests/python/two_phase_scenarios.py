@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 import gradcomp
@@ -50,9 +52,12 @@ def recorded_steps(rank, world, configs, steps, device="cpu"):
             ddp.register_comm_hook(state, recording_hook)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         steps_grads = []
-        losses = train(ddp, optimizer, steps, rank, device=device,
-                       record=lambda _: steps_grads.append([g.cpu() for g in gradients(model)]))
+        with warnings.catch_warnings(record=True) as warned:
+            warnings.simplefilter("always")
+            losses = train(ddp, optimizer, steps, rank, device=device,
+                           record=lambda _: steps_grads.append([g.cpu() for g in gradients(model)]))
         results[name] = {"grads": steps_grads, "records": records, "losses": losses,
+                         "warnings": [str(w.message) for w in warned if "gradcomp" in str(w.message)],
                          "stats": None if state is None else state.stats(),
                          "state_schemes": None if state is None else
                          [b["scheme"] for b in state.state_dict()["buckets"]]}

@@ -9,7 +9,8 @@ small interface (base.ResidualPlan's docstring).
 | powersgd  | powersgd                        | 2(W-1)/W x (P + Q)                        |
 
 For the codecs that can go either way, scheme="auto" (the default) picks per bucket the scheme that
-sends fewer bytes at this world size: allgather at 2 ranks, two-phase from 3 on for buckets of any size.
+sends fewer bytes at this world size: allgather at 2 ranks, two-phase from 3 on, except for buckets so
+small that W chunk headers outweigh the saving.
 """
 
 from __future__ import annotations
@@ -21,14 +22,14 @@ from .allgather import AllgatherBucket
 from .allreduce import AllreduceBucket
 from .base import ring_allreduce_bytes
 from .powersgd import PowerSGDBucket
-from .two_phase import TwoPhaseBucket
+from .two_phase import TwoPhaseBucket, accuracy_caveat
 
 SCHEME_OPTIONS = ("auto", "allgather", "two-phase")
 PLANS = {plan.scheme: plan for plan in (AllreduceBucket, AllgatherBucket, TwoPhaseBucket, PowerSGDBucket)}
 GATHERED = (AllgatherBucket, TwoPhaseBucket)  # the schemes of the codecs whose payloads cannot be summed
 
 __all__ = ["AllgatherBucket", "AllreduceBucket", "PLANS", "PowerSGDBucket", "SCHEME_OPTIONS", "TwoPhaseBucket",
-           "check_scheme", "fixed_scheme", "plan_class", "ring_allreduce_bytes"]
+           "accuracy_caveat", "check_scheme", "fixed_scheme", "plan_class", "ring_allreduce_bytes"]
 
 
 def fixed_scheme(codec) -> str | None:
