@@ -198,4 +198,20 @@ inline T* field(uint8_t* payload, int64_t offset) {
   return reinterpret_cast<T*>(payload + offset);
 }
 
+// The decode of signsgd (sum mode) and terngrad: out = the sum over payloads of alpha * scale *
+// table[code], the codes packed kPerByte to a byte from byte codes_offset, scale the fp32 right
+// after the header. Plain adds where sum_may_overflow says saturating ones give the same bits.
+template <typename T, int kPerByte>
+void sum_scaled_byte_codes(const DecodeArgs& a, int64_t numel, const float (*table)[kPerByte], int64_t codes_offset) {
+  const auto multiplier = [&](const uint8_t* payload) { return a.alpha * *field<float>(payload, kHeaderBytes); };
+  const auto sum = [&](auto saturate) {
+    sum_payloads<T>(a, numel, [&](const uint8_t* payload, int64_t begin, int64_t len, float* acc) {
+      add_byte_codes<kPerByte, decltype(saturate)::value>(table, payload + codes_offset + begin / kPerByte, len,
+                                                          multiplier(payload), acc);
+    });
+  };
+  if (sum_may_overflow(a, multiplier)) sum(std::true_type{});
+  else sum(std::false_type{});
+}
+
 }  // namespace gradcomp

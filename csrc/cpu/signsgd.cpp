@@ -56,15 +56,7 @@ template <typename T>
 void decode_typed(const DecodeArgs& a, const PayloadHeader& h) {
   const int64_t codes = body_layout(h).codes;
   if (!a.vote) {
-    const auto multiplier = [&](const uint8_t* payload) { return a.alpha * *field<float>(payload, kHeaderBytes); };
-    const auto sum = [&](auto saturate) {
-      sum_payloads<T>(a, h.numel, [&](const uint8_t* payload, int64_t begin, int64_t len, float* acc) {
-        add_byte_codes<8, decltype(saturate)::value>(byte_tables().sign, payload + codes + begin / 8, len,
-                                                     multiplier(payload), acc);
-      });
-    };
-    if (sum_may_overflow(a, multiplier)) sum(std::true_type{});
-    else sum(std::false_type{});
+    sum_scaled_byte_codes<T, 8>(a, h.numel, byte_tables().sign, codes);
     return;
   }
   float magnitude = 0.0f;

@@ -68,16 +68,7 @@ void encode_typed(const EncodeArgs& a) {
 
 template <typename T>
 void decode_typed(const DecodeArgs& a, const PayloadHeader& h) {
-  const int64_t offset = body_layout(h).codes;
-  const auto multiplier = [&](const uint8_t* payload) { return a.alpha * *field<float>(payload, kHeaderBytes); };
-  const auto sum = [&](auto saturate) {
-    sum_payloads<T>(a, h.numel, [&](const uint8_t* payload, int64_t begin, int64_t len, float* acc) {
-      add_byte_codes<4, decltype(saturate)::value>(byte_tables().ternary, payload + offset + begin / 4, len,
-                                                   multiplier(payload), acc);
-    });
-  };
-  if (sum_may_overflow(a, multiplier)) sum(std::true_type{});  // same bits either way (sum_may_overflow)
-  else sum(std::false_type{});
+  sum_scaled_byte_codes<T, 4>(a, h.numel, byte_tables().ternary, body_layout(h).codes);
 }
 
 }  // namespace
