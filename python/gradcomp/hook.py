@@ -50,8 +50,8 @@ from . import _ops
 from ._futures import value_or_raise
 from ._tensors import check_tensor
 from .codecs import codec as make_codec
-from .schemes import (PLANS, AllgatherBucket, AllreduceBucket, PowerSGDBucket, TwoPhaseBucket, accuracy_caveat,
-                      check_scheme, fixed_scheme, plan_class, ring_allreduce_bytes)
+from .schemes import (GATHERED, PLANS, AllgatherBucket, AllreduceBucket, PowerSGDBucket, TwoPhaseBucket,
+                      accuracy_caveat, check_scheme, fixed_scheme, plan_class, ring_allreduce_bytes)
 
 logger = logging.getLogger("gradcomp")
 STATS_KEYS = ("raw_bytes", "wire_bytes", "received_bytes", "encode_s", "decode_s", "buckets", "compressed_buckets",
@@ -179,6 +179,42 @@ class _Step:
     @staticmethod
     def new_future(device: torch.device) -> torch.futures.Future:
         return torch.futures.Future(devices=[device]) if device.type == "cuda" else torch.futures.Future()
+
+    def chain_in_order(self, first, prepare, second, callback, result: torch.futures.Future, device) -> None:
+        """A bucket's two dependent collectives (PowerSGD's P then Q, two-phase's all-to-all then all-gather).
+
+        first() issues the first collective now; when it completes, prepare(done) runs on its callback
+        thread. The second is started from that callback, yet collectives must go in one order on every
+        rank: so second() is issued by the step's sequencer, in bucket order on the hook's thread, after
+        the CUDA work prepare queued on device. callback(done) runs when it completes. Any error ends in
+        result; second() is issued even after one, so that the other ranks are not left waiting."""
+        ticket = self.sequencer.ticket(result)
+        ready = []  # on CUDA: an event after prepare, which ran on another thread and stream
+
+        def issue():
+            try:
+                if ready:
+                    torch.cuda.current_stream(device).wait_event(ready[0])
+                self.chain(second(), callback, result)
+            except BaseException as error:  # noqa: BLE001 - handed to the waiting DDP reducer
+                if not result.done():
+                    result.set_exception(error)
+
+        def after_first(done):
+            try:
+                prepare(done)
+                if device.type == "cuda":
+                    ready.append(torch.cuda.Event())
+                    ready[0].record(torch.cuda.current_stream(device))
+            except BaseException as error:  # noqa: BLE001 - handed to the waiting DDP reducer
+                result.set_exception(error)
+            self.sequencer.submit(ticket, issue)
+
+        try:
+            self.chain(first(), after_first, result)
+        except BaseException:
+            self.sequencer.submit(ticket, lambda: None)  # the step ends here: nothing for the second to wait on
+            raise
 
     @staticmethod
     def chain(future: torch.futures.Future, callback, result: torch.futures.Future) -> None:
@@ -631,7 +667,7 @@ class CompressionState:
 
     def _saved_plan_type(self, scheme) -> type:
         fixed = fixed_scheme(self.codec)
-        allowed = [fixed] if fixed else [AllgatherBucket.scheme, TwoPhaseBucket.scheme]
+        allowed = [fixed] if fixed else [plan.scheme for plan in GATHERED]
         if scheme not in allowed:
             raise ValueError(f"gradcomp: the state holds a bucket of scheme {scheme!r}; {self.codec.name} travels by "
                              f"{' or '.join(allowed)}")

@@ -28,7 +28,7 @@ SCHEME_OPTIONS = ("auto", "allgather", "two-phase")
 PLANS = {plan.scheme: plan for plan in (AllreduceBucket, AllgatherBucket, TwoPhaseBucket, PowerSGDBucket)}
 GATHERED = (AllgatherBucket, TwoPhaseBucket)  # the schemes of the codecs whose payloads cannot be summed
 
-__all__ = ["AllgatherBucket", "AllreduceBucket", "PLANS", "PowerSGDBucket", "SCHEME_OPTIONS", "TwoPhaseBucket",
+__all__ = ["AllgatherBucket", "AllreduceBucket", "GATHERED", "PLANS", "PowerSGDBucket", "SCHEME_OPTIONS", "TwoPhaseBucket",
            "accuracy_caveat", "check_scheme", "fixed_scheme", "plan_class", "ring_allreduce_bytes"]
 
 

@@ -14,6 +14,16 @@ def ring_allreduce_bytes(nbytes: int, world: int) -> int:
     return 2 * (world - 1) * nbytes // world if world > 1 else 0
 
 
+def copy_into_spare(state: torch.Tensor | None, spare: torch.Tensor | None) -> torch.Tensor | None:
+    """spare, holding a copy of state for a step to update (allocated anew when missing or on another
+    device); None when there is no state."""
+    if state is None:
+        return None
+    if spare is None or spare.device != state.device:
+        spare = torch.empty_like(state)
+    return spare.copy_(state)
+
+
 class ResidualPlan:
     """A bucket under a wire-format codec, with its error-feedback residual (one element per gradient
     element), kept per parameter so that a new bucket layout takes it over.
@@ -41,11 +51,8 @@ class ResidualPlan:
 
     def _working_residual(self) -> torch.Tensor | None:
         """A copy of the residual for this step's encode to update (the state until the step proves finite)."""
-        if self.residual is None:
-            return None
-        if self._spare is None or self._spare.device != self.residual.device:
-            self._spare = torch.empty_like(self.residual)
-        return self._spare.copy_(self.residual)
+        self._spare = copy_into_spare(self.residual, self._spare)
+        return self._spare
 
     def _offsets(self):
         offset = 0

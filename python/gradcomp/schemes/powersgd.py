@@ -141,24 +141,6 @@ class PowerSGDBucket:
         p.div_(world)  # averaged before the sum, as plain DDP does (P's scale does not matter: it is orthogonalized)
         step.add("encode_s", time.perf_counter() - started)
         result = step.new_future(flat.device)
-        q_ticket = step.sequencer.ticket(result)  # Q's allreduce is started from a callback: keep rank order
-        q_ready = []  # on CUDA: an event after compute_q, which runs on P's callback thread and its stream
-
-        def launch_q():  # issued even after an error here, so that the other ranks are not left waiting
-            try:
-                if q_ready:  # the sequencer issues Q from another thread, whose stream must wait for Q
-                    torch.cuda.current_stream(q_new.device).wait_event(q_ready[0])
-                step.chain(step.allreduce(q_new), after_q, result)
-            except BaseException as error:  # noqa: BLE001 - handed to the waiting DDP reducer
-                if not result.done():
-                    result.set_exception(error)
-
-        def after_p(summed_p):
-            try:
-                compute_q(summed_p)
-            except BaseException as error:  # noqa: BLE001 - handed to the waiting DDP reducer
-                result.set_exception(error)
-            step.sequencer.submit(q_ticket, launch_q)
 
         def compute_q(summed_p):
             started = time.perf_counter()
@@ -168,9 +150,6 @@ class PowerSGDBucket:
             for g in range(len(self.groups)):
                 codec.compute_q(self._m(m, g), codec.orthogonalize(self._p(p, g)), self._q(g, q_new))
             q_new.div_(world)
-            if q_new.is_cuda:
-                q_ready.append(torch.cuda.Event())
-                q_ready[0].record(torch.cuda.current_stream(q_new.device))
             step.add("encode_s", time.perf_counter() - started)
 
         def after_q(summed_q):
@@ -195,11 +174,8 @@ class PowerSGDBucket:
             step.add("decode_s", time.perf_counter() - started)
             result.set_result(flat)
 
-        try:
-            step.chain(step.allreduce(p), after_p, result)
-        except BaseException:
-            step.sequencer.submit(q_ticket, lambda: None)  # the step ends here: nothing for Q to wait on
-            raise
+        step.chain_in_order(lambda: step.allreduce(p), compute_q, lambda: step.allreduce(q_new), after_q, result,
+                            q_new.device)
         return result.then(value_or_raise)  # result may fail by set_exception(): see value_or_raise
 
     def pieces(self) -> dict:

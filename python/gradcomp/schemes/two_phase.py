@@ -33,7 +33,7 @@ import torch
 
 from .._futures import value_or_raise
 from .._tensors import keep_if_finite
-from .base import ResidualPlan
+from .base import ResidualPlan, copy_into_spare
 
 
 def chunk_bounds(numel: int, world: int) -> list[tuple[int, int]]:
@@ -104,13 +104,6 @@ class TwoPhaseBucket(ResidualPlan):
     def payload_bytes(self) -> int:
         return sum(self.sizes)
 
-    def _working_owner_residual(self) -> torch.Tensor | None:
-        if self.owner_residual is None:
-            return None
-        if self._owner_spare is None or self._owner_spare.device != self.owner_residual.device:
-            self._owner_spare = torch.empty_like(self.owner_residual)
-        return self._owner_spare.copy_(self.owner_residual)
-
     def launch(self, step, flat: torch.Tensor, views) -> torch.futures.Future:
         started = time.perf_counter()
         codec, world, rank = self.codec, step.world, step.rank
@@ -123,10 +116,8 @@ class TwoPhaseBucket(ResidualPlan):
         mine = torch.empty((world, self.sizes[rank]), dtype=torch.uint8, device=flat.device)
         row = torch.zeros(self.width, dtype=torch.uint8, device=flat.device)
         rows = torch.empty((world, self.width), dtype=torch.uint8, device=flat.device)
-        owner_work = self._working_owner_residual()
+        owner_work = self._owner_spare = copy_into_spare(self.owner_residual, self._owner_spare)
         result = step.new_future(flat.device)
-        ticket = step.sequencer.ticket(result)  # the all-gather starts from a callback: keep rank order
-        row_ready = []  # on CUDA: an event after the re-encode, which runs on the all-to-all's callback thread
 
         def reencode(exchanged):
             started = time.perf_counter()
@@ -136,26 +127,7 @@ class TwoPhaseBucket(ResidualPlan):
             codec.decode_sum(mine, average, 1.0 / world, status=step.decode_status)
             again = codec.encode(average, owner_work, step=step.step, bucket=self.index, rank=owner_stream(rank, world))
             row[: again.numel()].copy_(again)
-            if row.is_cuda:
-                row_ready.append(torch.cuda.Event())
-                row_ready[0].record(torch.cuda.current_stream(row.device))
             step.add("decode_s", time.perf_counter() - started)
-
-        def after_exchange(exchanged):
-            try:
-                reencode(exchanged)
-            except BaseException as error:  # noqa: BLE001 - handed to the waiting DDP reducer
-                result.set_exception(error)
-            step.sequencer.submit(ticket, launch_gather)
-
-        def launch_gather():  # issued even after an error here, so that the other ranks are not left waiting
-            try:
-                if row_ready:  # the sequencer issues the gather from another thread, whose stream must wait
-                    torch.cuda.current_stream(row.device).wait_event(row_ready[0])
-                step.chain(step.all_gather(rows, row), decode, result)
-            except BaseException as error:  # noqa: BLE001 - handed to the waiting DDP reducer
-                if not result.done():
-                    result.set_exception(error)
 
         def decode(gathered):
             started = time.perf_counter()
@@ -173,13 +145,10 @@ class TwoPhaseBucket(ResidualPlan):
             step.add("decode_s", time.perf_counter() - started)
             result.set_result(flat)
 
-        try:
-            sent = torch.cat(payloads)
-            step.add("encode_s", time.perf_counter() - started)
-            step.chain(step.all_to_all(mine, sent, [self.sizes[rank]] * world, self.sizes), after_exchange, result)
-        except BaseException:
-            step.sequencer.submit(ticket, lambda: None)  # the step ends here: nothing for the gather to wait on
-            raise
+        sent = torch.cat(payloads)
+        step.add("encode_s", time.perf_counter() - started)
+        step.chain_in_order(lambda: step.all_to_all(mine, sent, [self.sizes[rank]] * world, self.sizes), reencode,
+                            lambda: step.all_gather(rows, row), decode, result, flat.device)
         return result.then(value_or_raise)  # result may fail by set_exception(): see value_or_raise
 
     def _all_finite(self, rows: torch.Tensor) -> torch.Tensor:
