@@ -232,7 +232,7 @@ def parse_args(argv=None):
     parser.add_argument("--epochs", type=int, help="override every data set's epochs (quick: 3)")
     parser.add_argument("--nprocs", type=int, default=2, help="local ranks (ignored under torchrun)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    parser.add_argument("--scheme", default="auto", choices=["auto", "allgather", "two-phase"],
+    parser.add_argument("--scheme", default="auto", choices=gradcomp.schemes.SCHEME_OPTIONS,
                         help="how signsgd, terngrad, qsgd and topk travel (auto: the one sending fewer bytes)")
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
     parser.add_argument("--replot", action="store_true", help="only redraw the plot from the results in --out")

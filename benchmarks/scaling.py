@@ -40,8 +40,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 import gradcomp
 
-sys.path[:0] = [os.path.dirname(os.path.abspath(__file__))]
+sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)),
+                os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")]
 from bench_common import machine, shaping_problem, write_results  # noqa: E402
+from train_ddp import finish_spawned_rank  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GATHERED = ["signsgd", "terngrad", "qsgd", "topk:ratio=0.01"]
@@ -142,8 +144,6 @@ def rank_main(args) -> None:
                 json.dump(results, f)
     finally:
         dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)  # a gloo thread can abort the interpreter's shutdown; the work is done and written
 
 
 # -- the namespaces ----------------------------------------------------------------------------------------------------
@@ -396,7 +396,7 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.rank is not None:
-        rank_main(args)
+        finish_spawned_rank(args.rank, lambda _: rank_main(args))  # exits 0 (a gloo thread can abort shutdown)
         return 0
     problem = shaping_problem()
     if problem:

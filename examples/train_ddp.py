@@ -43,7 +43,7 @@ import gradcomp
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--compressor", default="topk:ratio=0.01", help='codec spec; "none" is plain DDP')
-    parser.add_argument("--scheme", default="auto", choices=["auto", "allgather", "two-phase"],
+    parser.add_argument("--scheme", default="auto", choices=gradcomp.schemes.SCHEME_OPTIONS,
                         help="how signsgd, terngrad, qsgd and topk travel (auto: the one sending fewer bytes)")
     parser.add_argument("--epochs", type=int, default=40)
     parser.add_argument("--batch-size", type=int, default=100, help="global batch, split over the ranks")
