@@ -85,6 +85,7 @@ class TwoPhaseBucket(ResidualPlan):
         self.bounds = chunk_bounds(self.numel, world)
         self.sizes = _payload_sizes(codec, self.numel, dtype, world)
         self.width = max(self.sizes)  # every re-encoded chunk travels in a row of this many bytes
+        self.total_size = sum(self.sizes)  # once: traffic() is asked per bucket and step, sizes hold W entries
         start, end = self.bounds[rank]
         # The owner's residual: what re-encoding the average of its chunk left out (biased codecs only).
         self.owner_residual = torch.zeros(end - start, dtype=dtype, device=device) if codec.error_feedback else None
@@ -97,12 +98,12 @@ class TwoPhaseBucket(ResidualPlan):
         return (world - 1) * sum(sizes) // world + (world - 1) * max(sizes)
 
     def traffic(self, world: int, rank: int) -> tuple[int, int]:
-        sent = sum(self.sizes) - self.sizes[rank] + (world - 1) * self.width
+        sent = self.total_size - self.sizes[rank] + (world - 1) * self.width
         received = (world - 1) * self.sizes[rank] + (world - 1) * self.width
         return sent, received
 
     def payload_bytes(self) -> int:
-        return sum(self.sizes)
+        return self.total_size
 
     def launch(self, step, flat: torch.Tensor, views) -> torch.futures.Future:
         started = time.perf_counter()
