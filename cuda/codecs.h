@@ -20,6 +20,7 @@ struct EncodeParams {
   void* residual = nullptr;    // the same shape and dtype; nullptr: no error feedback
   uint8_t* payload = nullptr;  // body_layout(header).total bytes on the device, 16-byte aligned
   void* workspace = nullptr;   // encode_workspace_bytes(header) bytes on the device, 256-byte aligned
+  bool norm_scale = false;     // signsgd only: scale = root mean square of m, not mean |m|
 };
 
 struct DecodeParams {

@@ -1,5 +1,5 @@
-// signsgd (see csrc/cpu/signsgd.cpp): the scale is the canonical sum of |m| over the bucket divided
-// by n (two launches, as the CPU sums it), then one pass writes the signs: each warp packs its 32
+// signsgd (see csrc/cpu/signsgd.cpp): the scale is the canonical sum of |m| (or, with norm_scale, of
+// m * m, then the square root) over the bucket divided by n (two launches, as the CPU sums it), then one pass writes the signs: each warp packs its 32
 // elements with a ballot into one 32-bit word of the bit field, and updates the residual.
 #include "device.cuh"
 
@@ -15,11 +15,23 @@ struct AbsCompensated {
   }
 };
 
+template <typename T, bool kResidual>
+struct SquaredCompensated {
+  const T* grad;
+  const T* residual;
+  __device__ double operator()(int64_t i) const {
+    const double m = compensated<kResidual>(grad, residual, i);
+    return m * m;
+  }
+};
+
 struct MeanScale {
   float* scale;
   int64_t n;
+  bool root;  // norm_scale: the square root of the mean of squares
   __device__ void operator()(int64_t, double total, int64_t) const {
-    *scale = static_cast<float>(total / static_cast<double>(n));
+    const double mean = total / static_cast<double>(n);
+    *scale = static_cast<float>(root ? sqrt(mean) : mean);
   }
 };
 
@@ -85,8 +97,11 @@ void encode_signsgd(const EncodeParams& p, cudaStream_t stream) {
     constexpr bool kResidual = decltype(has_residual)::value;
     const T* grad = static_cast<const T*>(p.grad);
     T* residual = static_cast<T*>(p.residual);
-    segment_sums(n, n, AbsCompensated<T, kResidual>{grad, residual}, MeanScale{scale, n},
-                 static_cast<double*>(p.workspace), stream);
+    double* partial = static_cast<double*>(p.workspace);
+    if (p.norm_scale)
+      segment_sums(n, n, SquaredCompensated<T, kResidual>{grad, residual}, MeanScale{scale, n, true}, partial, stream);
+    else
+      segment_sums(n, n, AbsCompensated<T, kResidual>{grad, residual}, MeanScale{scale, n, false}, partial, stream);
     signs_kernel<T, kResidual><<<blocks_for(n), kThreads, 0, stream>>>(grad, residual, n, scale, words);
   });
 }

@@ -25,6 +25,7 @@ struct EncodeArgs {
   void* residual = nullptr;    // the same shape and dtype; nullptr: no error feedback
   uint8_t* payload = nullptr;  // body_layout(header).total bytes
   ParallelFor parallel_for = nullptr;  // nullptr: the calling thread does everything
+  bool norm_scale = false;  // signsgd only: scale = root mean square of m, not mean |m| (see signsgd.cpp)
 };
 
 struct DecodeArgs {

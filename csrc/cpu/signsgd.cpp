@@ -1,13 +1,17 @@
 // signsgd: one sign bit per element and one fp32 scale, the mean |m| of the bucket
 // (m = gradient + residual): scale = (float)(total / n), total the canonical sum (reduce.h, double
 // lanes) of (double)|m| and the division in double; it cannot overflow for finite m (the mean is
-// at most max |m| <= FLT_MAX). Body: scale, then ceil(n / 8) bytes; element i is bit (i % 8) of
+// at most max |m| <= FLT_MAX). With norm_scale (the two-phase owner re-encoding a sum of signs),
+// scale = (float)sqrt(total / n) of the canonical sum of (double)m * m instead: the root mean square,
+// so that the signs carry the norm of m. Body: scale, then ceil(n / 8) bytes; element i is bit (i % 8) of
 // byte i / 8, 1 for "+" (m >= 0, or NaN) and 0 for "-" (m < 0). Element i decodes to +scale or
 // -scale. decode_sum adds, per payload in order, +-(alpha * scale) (fp32 add_saturating, from +0).
 // With vote: magnitude = sum over payloads in order of (alpha * scale), fp32 add_saturating from
 // +0, and the
 // element is +magnitude, -magnitude or, on a tie, 0.0f * magnitude (+0 for a finite magnitude,
 // NaN for a non-finite one).
+#include <cmath>
+
 #include "chunked.h"
 
 namespace gradcomp::GC_CODECS_NS {
@@ -41,10 +45,19 @@ void encode_typed(const EncodeArgs& a) {
   const T* grad = static_cast<const T*>(a.grad);
   T* residual = static_cast<T*>(a.residual);
   const int64_t n = a.header.numel;
-  const double total = parallel_canonical_sum(
-      a.parallel_for, n,
-      [&](int64_t i) { return static_cast<double>(__builtin_fabsf(compensated<kResidual>(grad, residual, i))); });
-  const float scale = n > 0 ? static_cast<float>(total / static_cast<double>(n)) : 0.0f;
+  double total;
+  if (a.norm_scale) {
+    total = parallel_canonical_sum(a.parallel_for, n, [&](int64_t i) {
+      const double m = compensated<kResidual>(grad, residual, i);
+      return m * m;  // exact: a float's square fits a double's mantissa
+    });
+  } else {
+    total = parallel_canonical_sum(a.parallel_for, n, [&](int64_t i) {
+      return static_cast<double>(__builtin_fabsf(compensated<kResidual>(grad, residual, i)));
+    });
+  }
+  const double mean = n > 0 ? total / static_cast<double>(n) : 0.0;
+  const float scale = static_cast<float>(a.norm_scale ? std::sqrt(mean) : mean);
   *field<float>(a.payload, kHeaderBytes) = scale;
   uint8_t* bits = a.payload + body_layout(a.header).codes;
   parallel_chunks(a.parallel_for, n, kChunk, [&](int64_t begin, int64_t len) {

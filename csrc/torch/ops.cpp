@@ -4,6 +4,8 @@
 // caller asks decode_sum to check the payloads there and then (no status tensor given).
 #include <cstdio>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <ATen/MemoryOverlap.h>
@@ -98,45 +100,104 @@ void encode_cuda(const EncodeArgs& args, const at::Tensor& grad) {
   p.residual = args.residual;
   p.payload = args.payload;
   p.workspace = workspace.data_ptr();
+  p.norm_scale = args.norm_scale;
   C10_CUDA_CHECK(cuda::encode(p, c10::cuda::getCurrentCUDAStream(grad.device().index())));
 }
 #else
 void encode_cuda(const EncodeArgs&, const at::Tensor& grad) { check_cuda_built(grad); }
 #endif
 
-at::Tensor encode(const at::Tensor& grad_in, const std::optional<at::Tensor>& residual,
-                  c10::string_view codec, int64_t param0, int64_t param1, int64_t seed,
-                  int64_t step, int64_t bucket, int64_t rank) {
-  const DType dtype = wire_dtype(grad_in, "the gradient");
+// The residual's data pointer once it is checked against the gradient (nullptr: no error feedback).
+void* checked_residual(const std::optional<at::Tensor>& residual, const at::Tensor& grad) {
+  if (!residual.has_value()) return nullptr;
+  const at::Tensor& r = *residual;
+  TORCH_CHECK_VALUE(r.device() == grad.device(), "gradcomp: residual on ", r.device(),
+                    " but the gradient on ", grad.device());
+  TORCH_CHECK_VALUE(r.scalar_type() == grad.scalar_type() && r.numel() == grad.numel(),
+                    "gradcomp: residual must match the gradient's dtype and element count; got ",
+                    r.scalar_type(), "[", r.numel(), "] for ", grad.scalar_type(), "[", grad.numel(), "]");
+  TORCH_CHECK_VALUE(r.is_contiguous(), "gradcomp: the residual must be contiguous (it is written in place)");
+  TORCH_CHECK_VALUE(at::get_overlap_status(r, grad) == at::MemOverlapStatus::No,
+                    "gradcomp: residual and gradient must be different tensors that share no memory");
+  return r.data_ptr();
+}
+
+// The header of one payload, checked.
+PayloadHeader checked_header(c10::string_view codec, DType dtype, int64_t numel, int64_t param0, int64_t param1,
+                             int64_t seed, int64_t step, int64_t bucket, int64_t rank) {
   const RandomKey key{static_cast<uint64_t>(seed), as_u32(step, "step"), as_u32(bucket, "bucket"),
                       as_u32(rank, "rank")};
-  EncodeArgs args;
-  args.header = make_header(codec_named(codec), dtype, grad_in.numel(), param0, param1, key);
-  check_header(args.header, codec);
-  args.rank = key.rank;
-  const at::Tensor grad = grad_in.contiguous();
-  args.grad = grad.data_ptr();
-  if (residual.has_value()) {
-    const at::Tensor& r = *residual;
-    TORCH_CHECK_VALUE(r.device() == grad.device(), "gradcomp: residual on ", r.device(),
-                      " but the gradient on ", grad.device());
-    TORCH_CHECK_VALUE(r.scalar_type() == grad.scalar_type() && r.numel() == grad.numel(),
-                      "gradcomp: residual must match the gradient's dtype and element count; got ",
-                      r.scalar_type(), "[", r.numel(), "] for ", grad.scalar_type(), "[", grad.numel(), "]");
-    TORCH_CHECK_VALUE(r.is_contiguous(), "gradcomp: the residual must be contiguous (it is written in place)");
-    TORCH_CHECK_VALUE(at::get_overlap_status(r, grad) == at::MemOverlapStatus::No,
-                      "gradcomp: residual and gradient must be different tensors that share no memory");
-    args.residual = r.data_ptr();
-  }
-  at::Tensor payload = at::empty({body_layout(args.header).total}, grad.options().dtype(at::kByte));
-  args.payload = payload.data_ptr<uint8_t>();
+  const PayloadHeader header = make_header(codec_named(codec), dtype, numel, param0, param1, key);
+  check_header(header, codec);
+  return header;
+}
+
+// Encodes on the gradient's device; args hold the pointers and header.
+void encode_on_device(EncodeArgs args, const at::Tensor& grad) {
   if (grad.is_cuda()) {
     encode_cuda(args, grad);
-    return payload;
+    return;
   }
   args.parallel_for = torch_parallel_for;
   encode_cpu(args);
+}
+
+at::Tensor encode(const at::Tensor& grad_in, const std::optional<at::Tensor>& residual,
+                  c10::string_view codec, int64_t param0, int64_t param1, int64_t seed,
+                  int64_t step, int64_t bucket, int64_t rank) {
+  EncodeArgs args;
+  args.header = checked_header(codec, wire_dtype(grad_in, "the gradient"), grad_in.numel(), param0, param1, seed,
+                               step, bucket, rank);
+  args.rank = static_cast<uint32_t>(rank);  // checked_header checked its range
+  const at::Tensor grad = grad_in.contiguous();
+  args.grad = grad.data_ptr();
+  args.residual = checked_residual(residual, grad);
+  at::Tensor payload = at::empty({body_layout(args.header).total}, grad.options().dtype(at::kByte));
+  args.payload = payload.data_ptr<uint8_t>();
+  encode_on_device(args, grad);
   return payload;
+}
+
+// [begin, end) of chunk j when numel elements are cut into count balanced chunks: numel / count
+// elements each, one more for the first numel % count (torch.tensor_split's rule).
+std::pair<int64_t, int64_t> chunk_range(int64_t numel, int64_t count, int64_t j) {
+  const int64_t base = numel / count, extra = numel % count;
+  const int64_t begin = j * base + std::min(j, extra);
+  return {begin, begin + base + (j < extra ? 1 : 0)};
+}
+
+// The two-phase scheme's first step: grad (+ residual) cut into param0s.size() balanced chunks, chunk
+// j encoded with param0s[j] and the random key's rank first_rank + j, the payloads back to back in
+// chunk order (each a multiple of 16 bytes long, so each starts aligned). The same bits as encoding
+// each chunk on its own; one op for the bucket, with no copy to concatenate.
+at::Tensor encode_chunks(const at::Tensor& grad_in, const std::optional<at::Tensor>& residual,
+                         c10::string_view codec, at::IntArrayRef param0s, int64_t param1, int64_t seed,
+                         int64_t step, int64_t bucket, int64_t first_rank) {
+  const int64_t count = static_cast<int64_t>(param0s.size());
+  TORCH_CHECK_VALUE(count >= 1, "gradcomp: encode_chunks needs one param0 per chunk, got none");
+  const DType dtype = wire_dtype(grad_in, "the gradient");
+  const at::Tensor grad = grad_in.contiguous();
+  void* residual_data = checked_residual(residual, grad);
+  const int64_t itemsize = grad.element_size();
+  std::vector<EncodeArgs> chunks(count);
+  std::vector<int64_t> offsets(count);
+  int64_t total = 0;
+  for (int64_t j = 0; j < count; ++j) {
+    const auto [begin, end] = chunk_range(grad.numel(), count, j);
+    EncodeArgs& args = chunks[j];
+    args.header = checked_header(codec, dtype, end - begin, param0s[j], param1, seed, step, bucket, first_rank + j);
+    args.rank = static_cast<uint32_t>(first_rank + j);
+    args.grad = static_cast<const uint8_t*>(grad.data_ptr()) + begin * itemsize;
+    args.residual = residual_data ? static_cast<uint8_t*>(residual_data) + begin * itemsize : nullptr;
+    offsets[j] = total;
+    total += body_layout(args.header).total;
+  }
+  at::Tensor payloads = at::empty({total}, grad.options().dtype(at::kByte));
+  for (int64_t j = 0; j < count; ++j) {
+    chunks[j].payload = payloads.data_ptr<uint8_t>() + offsets[j];
+    encode_on_device(chunks[j], grad);
+  }
+  return payloads;
 }
 
 #ifdef GRADCOMP_CUDA_KERNELS
@@ -240,6 +301,60 @@ void decode_sum(const at::Tensor& payloads, at::Tensor& out, double alpha, bool 
   decode_sum_cpu(args);
 }
 
+// The two-phase scheme's last step: row j of rows [count, width] holds chunk j's payload in its
+// first bytes (the re-encoded chunks, gathered), decoded into chunk j of out (the chunks of
+// encode_chunks). On CUDA without a status tensor, the payload checks of every chunk are read once,
+// at the end.
+void decode_chunks(const at::Tensor& rows, at::Tensor& out, bool vote, c10::string_view codec,
+                   at::IntArrayRef param0s, int64_t param1, const std::optional<at::Tensor>& status) {
+  const int64_t count = static_cast<int64_t>(param0s.size());
+  TORCH_CHECK_VALUE(rows.dim() == 2 && rows.size(0) == count,
+                    "gradcomp: decode_chunks takes one row per chunk: rows of shape [", count, ", bytes], got ",
+                    rows.sizes());
+  TORCH_CHECK_VALUE(out.dim() == 1, "gradcomp: decode_chunks writes a flat output, got ", out.dim(), " dimensions");
+  std::optional<at::Tensor> problems = status;
+  if (out.is_cuda() && !status.has_value()) problems = at::zeros({1}, out.options().dtype(at::kInt));
+  const DType dtype = wire_dtype(out, "out");
+  for (int64_t j = 0; j < count; ++j) {
+    const auto [begin, end] = chunk_range(out.numel(), count, j);
+    const int64_t size = body_layout(make_header(codec_named(codec), dtype, end - begin, param0s[j], param1,
+                                                 RandomKey{})).total;
+    TORCH_CHECK_VALUE(size <= rows.size(1), "gradcomp: chunk ", j, "'s payload takes ", size,
+                      " bytes, but the rows hold ", rows.size(1));
+    at::Tensor chunk = out.narrow(0, begin, end - begin);
+    decode_sum(rows[j].narrow(0, 0, size), chunk, 1.0, vote, codec, param0s[j], param1, problems);
+  }
+#ifdef GRADCOMP_CUDA_KERNELS
+  if (out.is_cuda() && !status.has_value()) {
+    const auto found = static_cast<uint32_t>(problems->item<int32_t>());
+    TORCH_CHECK_VALUE(found == 0, "gradcomp: cannot decode: ", describe_decode_problems(found),
+                      " (the output was set to NaN)");
+  }
+#endif
+}
+
+// The two-phase owner's step: average = the sum of alpha times each of its chunk's payloads, then that
+// average (+ the owner's residual) encoded again, returned. signsgd summing signs re-encodes with the
+// root mean square as its scale (norm_scale, csrc/cpu/signsgd.cpp): a sum of signs that partly cancel
+// spreads its magnitudes, and mean |m| would shrink what every element carries.
+at::Tensor reencode_sum(const at::Tensor& payloads, at::Tensor& average, const std::optional<at::Tensor>& residual,
+                        double alpha, bool vote, c10::string_view codec, int64_t param0, int64_t param1,
+                        int64_t seed, int64_t step, int64_t bucket, int64_t rank,
+                        const std::optional<at::Tensor>& status) {
+  EncodeArgs args;
+  args.header = checked_header(codec, wire_dtype(average, "average"), average.numel(), param0, param1, seed, step,
+                               bucket, rank);
+  args.rank = static_cast<uint32_t>(rank);
+  args.norm_scale = static_cast<Codec>(args.header.codec) == Codec::SignSGD && !vote;
+  args.residual = checked_residual(residual, average);
+  decode_sum(payloads, average, alpha, vote, codec, param0, param1, status);
+  args.grad = average.data_ptr();
+  at::Tensor payload = at::empty({body_layout(args.header).total}, average.options().dtype(at::kByte));
+  args.payload = payload.data_ptr<uint8_t>();
+  encode_on_device(args, average);
+  return payload;
+}
+
 void orthogonalize_(at::Tensor& matrix, double eps) {
   TORCH_CHECK_VALUE(matrix.scalar_type() == at::kFloat, "gradcomp: orthogonalize_ takes float32, got ",
                     matrix.scalar_type());
@@ -271,12 +386,22 @@ TORCH_LIBRARY(gradcomp, m) {
   m.def("decode_sum(Tensor payloads, Tensor(a!) out, float alpha=1.0, bool vote=False, str? codec=None, "
         "int param0=0, int param1=0, Tensor(b!)? status=None) -> ()");
   m.def("orthogonalize_(Tensor(a!) matrix, float eps=0.0) -> ()");
+  m.def("encode_chunks(Tensor grad, Tensor(a!)? residual, str codec, int[] param0s, int param1=0, int seed=0, "
+        "int step=0, int bucket=0, int first_rank=0) -> Tensor");
+  m.def("reencode_sum(Tensor payloads, Tensor(a!) average, Tensor(b!)? residual, float alpha, bool vote, str codec, "
+        "int param0=0, int param1=0, int seed=0, int step=0, int bucket=0, int rank=0, Tensor(c!)? status=None) "
+        "-> Tensor");
+  m.def("decode_chunks(Tensor rows, Tensor(a!) out, bool vote, str codec, int[] param0s, int param1=0, "
+        "Tensor(b!)? status=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(gradcomp, CPU, m) {
   m.impl("encode", &encode);
   m.impl("decode_sum", &decode_sum);
   m.impl("orthogonalize_", &orthogonalize_);
+  m.impl("encode_chunks", &encode_chunks);
+  m.impl("reencode_sum", &reencode_sum);
+  m.impl("decode_chunks", &decode_chunks);
 }
 
 // Registered in every build: without the CUDA codecs, CUDA tensors get a clear error, not a
@@ -285,6 +410,9 @@ TORCH_LIBRARY_IMPL(gradcomp, CUDA, m) {
   m.impl("encode", &encode);
   m.impl("decode_sum", &decode_sum);
   m.impl("orthogonalize_", &orthogonalize_);
+  m.impl("encode_chunks", &encode_chunks);
+  m.impl("reencode_sum", &reencode_sum);
+  m.impl("decode_chunks", &decode_chunks);
 }
 
 }  // namespace gradcomp

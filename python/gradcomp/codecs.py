@@ -185,6 +185,35 @@ class PayloadCodec(Codec):
         torch.ops.gradcomp.decode_sum(payloads, out, alpha, self.vote, self.name, p0, p1, status)
         return out
 
+    # The two-phase scheme (schemes/two_phase.py) in three ops: a bucket cut into `world` balanced chunks
+    # (numel // world elements each, one more for the first numel % world), each its own payload.
+    def chunk_params(self, numel: int, world: int) -> tuple[list[int], int]:
+        """(param0 of each chunk, the param1 they share)."""
+        base, extra = divmod(numel, world)
+        params = [self.wire_params(base + (j < extra)) for j in range(world)]
+        return [p0 for p0, _ in params], params[0][1]
+
+    def encode_chunks(self, grad: torch.Tensor, residual: torch.Tensor | None, world: int, *, step: int = 0,
+                      bucket: int = 0, first_rank: int = 0) -> torch.Tensor:
+        """encode() of each chunk, chunk j with rank key first_rank + j, the payloads back to back."""
+        param0s, param1 = self.chunk_params(grad.numel(), world)
+        return torch.ops.gradcomp.encode_chunks(grad, residual, self.name, param0s, param1, self.seed, step, bucket,
+                                                first_rank)
+
+    def reencode_sum(self, payloads: torch.Tensor, average: torch.Tensor, residual: torch.Tensor | None,
+                     alpha: float, *, step: int = 0, bucket: int = 0, rank: int = 0,
+                     status: torch.Tensor | None = None) -> torch.Tensor:
+        """decode_sum(payloads, average, alpha), then the payload of average (+ residual). signsgd summing
+        signs re-encodes with the root mean square as its scale, not mean |m| (csrc/cpu/signsgd.cpp)."""
+        p0, p1 = self.wire_params(average.numel())
+        return torch.ops.gradcomp.reencode_sum(payloads, average, residual, alpha, self.vote, self.name, p0, p1,
+                                               self.seed, step, bucket, rank, status)
+
+    def decode_chunks(self, rows: torch.Tensor, out: torch.Tensor, *, status: torch.Tensor | None = None) -> None:
+        """Chunk j of out = the payload at the start of rows[j] (decode_sum's checks, per chunk)."""
+        param0s, param1 = self.chunk_params(out.numel(), rows.shape[0])
+        torch.ops.gradcomp.decode_chunks(rows, out, self.vote, self.name, param0s, param1, status)
+
     def summable_view(self, payload: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """For allreduce codecs: the payload's values as a tensor an allreduce can sum in place."""
         if self.collective != "allreduce":

@@ -50,8 +50,8 @@ from . import _ops
 from ._futures import value_or_raise
 from ._tensors import check_tensor
 from .codecs import codec as make_codec
-from .schemes import (GATHERED, PLANS, AllgatherBucket, AllreduceBucket, PowerSGDBucket, TwoPhaseBucket,
-                      accuracy_caveat, check_scheme, fixed_scheme, plan_class, ring_allreduce_bytes)
+from .schemes import (GATHERED, PLANS, AllgatherBucket, AllreduceBucket, PowerSGDBucket, check_scheme, fixed_scheme,
+                      plan_class, ring_allreduce_bytes)
 
 logger = logging.getLogger("gradcomp")
 STATS_KEYS = ("raw_bytes", "wire_bytes", "received_bytes", "encode_s", "decode_s", "buckets", "compressed_buckets",
@@ -550,9 +550,6 @@ class CompressionState:
                                shapes, buffer.dtype, buffer.device, step.world, step.rank)
         plan.take(self._pool)
         self._plans[index] = plan
-        caveat = accuracy_caveat(self.codec) if isinstance(plan, TwoPhaseBucket) else None
-        if caveat:
-            self._warn_once("two-phase accuracy", caveat)
         return plan
 
     def _make_plan(self, plan_type: type, index: int, keys, shapes, dtype: torch.dtype, device, world, rank):

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <numeric>
 #include <random>
 #include <vector>
@@ -241,6 +242,32 @@ TEST(SignSGD, MajorityVote) {
   EXPECT_EQ(out[1], magnitude);
   EXPECT_EQ(out[2], -magnitude);
   EXPECT_EQ(out[3], magnitude);
+}
+
+TEST(SignSGD, NormScaleIsTheRootMeanSquareAndKeepsTheRest) {
+  const int64_t n = 1000;
+  const auto grad = gaussian(n, 21);
+  std::vector<float> residual = gaussian(n, 22), old = residual;
+  EncodeArgs args;
+  args.header = make_header(Codec::SignSGD, DType::F32, n, 0, 0, RandomKey{});
+  args.grad = grad.data();
+  args.residual = residual.data();
+  args.norm_scale = true;
+  std::vector<uint8_t> payload(body_layout(args.header).total);
+  args.payload = payload.data();
+  encode_cpu(args);
+  long double squares = 0;  // the reference: m = grad + old, sqrt(mean m^2) in long double
+  for (int64_t i = 0; i < n; ++i) squares += static_cast<long double>(grad[i] + old[i]) * (grad[i] + old[i]);
+  const float expected = static_cast<float>(std::sqrt(static_cast<double>(squares / n)));
+  float scale;
+  std::memcpy(&scale, payload.data() + kHeaderBytes, sizeof scale);
+  EXPECT_EQ(scale, expected);
+  const auto decoded = decode(payload, 1, n);
+  for (int64_t i = 0; i < n; ++i) {
+    const float m = grad[i] + old[i];
+    ASSERT_EQ(decoded[i], m < 0 ? -expected : expected) << i;
+    ASSERT_EQ(residual[i], m - decoded[i]) << i;
+  }
 }
 
 TEST(QSGD, LevelsStayWithinRangeAndDecodeIsUnbiased) {

@@ -98,9 +98,10 @@ struct Encoded {
 };
 
 Encoded encode_on_cpu(const Case& c, const PayloadHeader& h, uint32_t rank, const std::vector<uint8_t>& grad,
-                      std::vector<uint8_t> residual) {
+                      std::vector<uint8_t> residual, bool norm_scale = false) {
   EncodeArgs args;
   args.header = h;
+  args.norm_scale = norm_scale;
   args.rank = rank;
   args.grad = grad.data();
   args.residual = c.residual ? residual.data() : nullptr;
@@ -112,7 +113,7 @@ Encoded encode_on_cpu(const Case& c, const PayloadHeader& h, uint32_t rank, cons
 }
 
 Encoded encode_on_gpu(const Case& c, const PayloadHeader& h, uint32_t rank, const std::vector<uint8_t>& grad,
-                      const std::vector<uint8_t>& residual) {
+                      const std::vector<uint8_t>& residual, bool norm_scale = false) {
   DeviceBytes d_grad(grad.data(), grad.size()), d_residual(residual.data(), residual.size());
   DeviceBytes d_payload(body_layout(h).total), d_workspace(cuda::encode_workspace_bytes(h));
   cudaMemset(d_payload.get(), 0xAB, body_layout(h).total);
@@ -123,6 +124,7 @@ Encoded encode_on_gpu(const Case& c, const PayloadHeader& h, uint32_t rank, cons
   p.residual = c.residual ? d_residual.get() : nullptr;
   p.payload = d_payload.get<uint8_t>();
   p.workspace = d_workspace.get();
+  p.norm_scale = norm_scale;
   EXPECT_EQ(cuda::encode(p, nullptr), cudaSuccess);
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   return {d_payload.host(), d_residual.host()};
@@ -222,6 +224,22 @@ std::vector<Case> every_case() {
 
 INSTANTIATE_TEST_SUITE_P(EveryCodec, CudaMatchesCpu, ::testing::ValuesIn(every_case()),
                          [](const ::testing::TestParamInfo<Case>& info) { return name_of(info.param); });
+
+// The two-phase owner's signsgd re-encode (root mean square scale).
+TEST(CudaSignsgd, NormScaleIsTheSameBits) {
+  REQUIRE_GPU();
+  for (DType dtype : {DType::F32, DType::BF16})
+    for (int64_t n : {int64_t{1}, int64_t{4097}, int64_t{3000017}})
+      for (bool residual : {false, true}) {
+        const Case c{Codec::SignSGD, 0, 0, dtype, n, residual};
+        const PayloadHeader h = make_header(Codec::SignSGD, dtype, n, 0, 0, RandomKey{});
+        const auto grad = values(dtype, n, 300), old = values(dtype, n, 400);
+        const Encoded cpu = encode_on_cpu(c, h, 0, grad, old, true);
+        const Encoded gpu = encode_on_gpu(c, h, 0, grad, old, true);
+        ASSERT_EQ(gpu.payload, cpu.payload) << name_of(c);
+        if (residual) ASSERT_EQ(gpu.residual, cpu.residual) << name_of(c);
+      }
+}
 
 TEST(CudaTopk, TiesGoToTheLowestIndices) {
   REQUIRE_GPU();

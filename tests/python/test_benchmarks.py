@@ -107,3 +107,16 @@ def test_scaling_quick_mode_counts_the_bytes_each_rank_sends(tmp_path):
     assert {m["world"] for m in report["model"]} == {64, 128, 256, 512, 1024}
     assert (tmp_path / "scaling_quick.png").read_bytes()[:8] == PNG_MAGIC
 
+
+
+def test_two_phase_ops_quick_mode(tmp_path):
+    stdout = run_script(BENCHMARKS / "two_phase_ops.py", "--quick", "--out", tmp_path)
+    report = json.loads((tmp_path / "two_phase_ops_quick.json").read_text())
+    assert {(r["codec"], r["phase"]) for r in report["rows"]} == {
+        (spec, phase) for spec in ("signsgd", "terngrad", "qsgd", "topk:ratio=0.01")
+        for phase in ("encode", "owner", "decode")}
+    for row in report["rows"]:
+        assert row["world"] == 4 and row["fused_gbps"] > 0 and row["per_chunk_gbps"] > 0 and row["copy_gbps"] > 0
+    assert (tmp_path / "two_phase_ops_quick.csv").read_text().count("\n") == 13  # header + 12 rows
+    assert (tmp_path / "two_phase_ops_quick.png").read_bytes()[:8] == PNG_MAGIC
+    assert "copy_" in stdout

@@ -52,3 +52,16 @@ def test_decode_sum_vote():
 @pytest.mark.parametrize("shape", [(40, 4), (3, 30, 2)])
 def test_orthogonalize(shape):
     opcheck(torch.ops.gradcomp.orthogonalize_.default, (torch.randn(shape), 0.0))
+
+
+@pytest.mark.parametrize("codec, param0, param1", [("signsgd", 0, 0), ("qsgd", 15, 64), ("topk", 9, 0)])
+def test_two_phase_ops(codec, param0, param1):
+    grad, residual = torch.randn(300), torch.randn(300)
+    opcheck(torch.ops.gradcomp.encode_chunks.default, (grad, residual, codec, [param0] * 3, param1, 5, 3, 1, 6))
+    payloads = torch.stack([torch.ops.gradcomp.encode(torch.randn(100), None, codec, param0, param1, 5, 3, 1, rank)
+                            for rank in range(3)])
+    for vote in (False, True) if codec == "signsgd" else (False,):
+        opcheck(torch.ops.gradcomp.reencode_sum.default,
+                (payloads, torch.empty(100), torch.randn(100), 1 / 3, vote, codec, param0, param1, 5, 3, 1, 9))
+    opcheck(torch.ops.gradcomp.decode_chunks.default, (payloads, torch.empty(300), False, codec, [param0] * 3,
+                                                       param1))

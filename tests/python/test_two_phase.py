@@ -5,6 +5,8 @@ the owners', stats count the bytes each rank sends, resume is bit-identical, and
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -12,6 +14,7 @@ import ddp_scenarios
 import gradcomp
 import two_phase_scenarios as scenarios
 from ddp_harness import run_ranks, unwrap
+from gradcomp.codecs import HEADER_BYTES
 from gradcomp.schemes import AllgatherBucket, TwoPhaseBucket, plan_class
 
 TWO_PHASE = {"scheme": "two-phase", "start_iter": 1, "min_bucket_ratio": 0}  # from DDP's rebuilt buckets on
@@ -55,6 +58,12 @@ def _decoded(codec, payload, numel, alpha=1.0, count=1):
     return out
 
 
+def _root_mean_square(values: torch.Tensor) -> torch.Tensor:
+    """sqrt(sum of squares / n) as one float32, the sum exact (math.fsum) and the rest in double."""
+    squares = [v * v for v in values.double().tolist()]
+    return torch.tensor([math.sqrt(math.fsum(squares) / len(squares)) if squares else 0.0], dtype=torch.float32)
+
+
 def _reference_bucket(codec, world, step, index, grads, residuals, owner_residuals):
     """What the scheme must produce for one bucket, from every rank's input: (output, each rank's new
     residual, each owner's new residual). Stream keys: rank r's chunk j is r*W + j, owner j's is W*W + j."""
@@ -72,6 +81,8 @@ def _reference_bucket(codec, world, step, index, grads, residuals, owner_residua
                            world)
         owner_m = average + owner_residuals[j] if owner_residuals[j] is not None else average
         again = codec.encode(owner_m.clone(), None, step=step, bucket=index, rank=world * world + j)
+        if codec.name == "signsgd" and not codec.vote:  # the owner's scale: the root mean square, not mean |m|
+            again[HEADER_BYTES: HEADER_BYTES + 4] = _root_mean_square(owner_m).view(torch.uint8)
         delivered = _decoded(codec, again, part.numel())
         outputs.append(delivered)
         new_owner_residuals.append(owner_m - delivered if owner_residuals[j] is not None else None)
@@ -140,12 +151,13 @@ def test_the_default_scheme_is_the_cheaper_one(runs):
     assert set(run["state_schemes"]) == {expected} and run["stats"]["schemes"] == {expected: len(run["state_schemes"])}
 
 
-def test_signsgd_summing_signs_warns_once_of_its_measured_accuracy_loss_under_two_phase(runs):
+def test_no_codec_warns_under_two_phase(runs):
+    """signsgd summing signs once lost accuracy under two-phase and warned; with the owner's root mean square
+    scale it keeps it (benchmarks/README.md, accuracy at 8 ranks), and no codec warns."""
     _, results = runs
     for rank_result in results:
-        assert sum("lost accuracy" in w for w in rank_result["signsgd"]["warnings"]) == 1
-        for name in ("signsgd:vote=true", "qsgd", "topk:ratio=0.05", "terngrad"):
-            assert not any("lost accuracy" in w for w in rank_result[name]["warnings"]), name
+        for name, run in rank_result.items():
+            assert not run["warnings"], name
 
 
 def test_scheme_choice_by_bytes():

@@ -22,14 +22,14 @@ from .allgather import AllgatherBucket
 from .allreduce import AllreduceBucket
 from .base import ring_allreduce_bytes
 from .powersgd import PowerSGDBucket
-from .two_phase import TwoPhaseBucket, accuracy_caveat
+from .two_phase import TwoPhaseBucket
 
 SCHEME_OPTIONS = ("auto", "allgather", "two-phase")
 PLANS = {plan.scheme: plan for plan in (AllreduceBucket, AllgatherBucket, TwoPhaseBucket, PowerSGDBucket)}
 GATHERED = (AllgatherBucket, TwoPhaseBucket)  # the schemes of the codecs whose payloads cannot be summed
 
 __all__ = ["AllgatherBucket", "AllreduceBucket", "GATHERED", "PLANS", "PowerSGDBucket", "SCHEME_OPTIONS", "TwoPhaseBucket",
-           "accuracy_caveat", "check_scheme", "fixed_scheme", "plan_class", "ring_allreduce_bytes"]
+           "check_scheme", "fixed_scheme", "plan_class", "ring_allreduce_bytes"]
 
 
 def fixed_scheme(codec) -> str | None:

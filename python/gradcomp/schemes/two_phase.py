@@ -8,9 +8,13 @@ chunk j belongs to rank j.
     2. Rank j decodes and sums the W payloads of its chunk, times 1/W, and encodes that average again:
        with an owner-side residual of its own when the codec keeps error feedback (signsgd, topk), with
        fresh randomness when it is unbiased (terngrad, qsgd). topk keeps ceil(ratio * chunk) values of
-       each chunk, so every payload has a fixed size.
+       each chunk, so every payload has a fixed size. signsgd summing signs re-encodes with the root
+       mean square of the average as its scale, not the mean |.| its workers use: where the ranks'
+       signs cancel, the average's magnitudes spread, and the mean would shrink the step of every
+       element (at 8 ranks on MNIST-1D, 89.2% against 94.3% uncompressed; benchmarks/README.md).
     3. An all-gather of the re-encoded chunks, padded to the largest chunk payload, gives every rank
        every chunk's average, decoded in place.
+The three steps are one op each (encode_chunks, reencode_sum, decode_chunks: csrc/torch/ops.cpp).
 Each rank sends about 2(W-1)/W payloads of the bucket plus 2(W-1) headers, against (W-1) payloads for
 the allgather scheme. The all-gather is started from a callback, so it goes through the step's
 sequencer, which issues the buckets' second collectives in one order on every rank.
@@ -60,16 +64,6 @@ def owner_stream(rank: int, world: int) -> int:
 MAX_WORLD = 65535  # world * world + rank must fit encode's 32-bit rank key
 
 
-def accuracy_caveat(codec) -> str | None:
-    """What was measured to cost accuracy under this scheme, for the hook to warn about once, or None."""
-    if codec.name == "signsgd" and not codec.vote:
-        return ("gradcomp: signsgd (a sum of scaled signs) under the two-phase scheme lost accuracy at 8 ranks on "
-                "MNIST-1D (89.2% +- 3.6 over 3 seeds against 94.3% uncompressed), where the allgather scheme (95.0%, "
-                "one seed) and signsgd:vote=true under two-phase (95.9% +- 0.2) did not: pass scheme='allgather' or "
-                "vote=True where accuracy matters more than bytes (benchmarks/README.md, accuracy at 8 ranks)")
-    return None
-
-
 def _payload_sizes(codec, numel: int, dtype: torch.dtype, world: int) -> list[int]:
     return [codec.payload_nbytes(end - start, dtype) for start, end in chunk_bounds(numel, world)]
 
@@ -112,8 +106,8 @@ class TwoPhaseBucket(ResidualPlan):
             raise RuntimeError(f"gradcomp: bucket {self.index} was laid out for rank {self.rank} of {self.world}, "
                                f"this is rank {rank} of {world}")
         work = self._working_residual()
-        payloads = [codec.encode(flat[a:b], None if work is None else work[a:b], step=step.step, bucket=self.index,
-                                 rank=chunk_stream(rank, j, world)) for j, (a, b) in enumerate(self.bounds)]
+        sent = codec.encode_chunks(flat, work, world, step=step.step, bucket=self.index,
+                                   first_rank=chunk_stream(rank, 0, world))
         mine = torch.empty((world, self.sizes[rank]), dtype=torch.uint8, device=flat.device)
         row = torch.zeros(self.width, dtype=torch.uint8, device=flat.device)
         rows = torch.empty((world, self.width), dtype=torch.uint8, device=flat.device)
@@ -125,8 +119,8 @@ class TwoPhaseBucket(ResidualPlan):
             value_or_raise(exchanged)
             a, b = self.bounds[rank]
             average = torch.empty(b - a, dtype=self.dtype, device=flat.device)
-            codec.decode_sum(mine, average, 1.0 / world, status=step.decode_status)
-            again = codec.encode(average, owner_work, step=step.step, bucket=self.index, rank=owner_stream(rank, world))
+            again = codec.reencode_sum(mine, average, owner_work, 1.0 / world, step=step.step, bucket=self.index,
+                                       rank=owner_stream(rank, world), status=step.decode_status)
             row[: again.numel()].copy_(again)
             step.add("decode_s", time.perf_counter() - started)
 
@@ -136,8 +130,7 @@ class TwoPhaseBucket(ResidualPlan):
             if result.done():  # this rank failed earlier in the step
                 return
             finite = self._all_finite(rows)
-            for j, (a, b) in enumerate(self.bounds):
-                codec.decode_sum(rows[j, : self.sizes[j]], flat[a:b], 1.0, status=step.decode_status)
+            codec.decode_chunks(rows, flat, status=step.decode_status)
             if work is not None:
                 self.residual, self._spare = keep_if_finite(finite, work, self.residual)
             if owner_work is not None:
@@ -146,7 +139,6 @@ class TwoPhaseBucket(ResidualPlan):
             step.add("decode_s", time.perf_counter() - started)
             result.set_result(flat)
 
-        sent = torch.cat(payloads)
         step.add("encode_s", time.perf_counter() - started)
         step.chain_in_order(lambda: step.all_to_all(mine, sent, [self.sizes[rank]] * world, self.sizes), reencode,
                             lambda: step.all_gather(rows, row), decode, result, flat.device)

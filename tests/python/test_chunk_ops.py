@@ -1,0 +1,98 @@
+"""The two-phase scheme's ops (encode_chunks, reencode_sum, decode_chunks) against what they stand for:
+encode and decode_sum of each chunk on its own, with torch.tensor_split's balanced chunks."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import gradcomp
+from gradcomp.codecs import HEADER_BYTES
+
+SPECS = ["signsgd", "signsgd:vote=true", "terngrad", "qsgd:levels=7,block=16", "topk:ratio=0.1",
+         "terngrad:error_feedback=true"]
+
+
+def _pieces(tensor, world):
+    return torch.tensor_split(tensor, world)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("numel, world", [(1000, 4), (1003, 3), (7, 5), (2, 4), (0, 3), (50, 1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_encode_chunks_equals_each_chunk_encoded_on_its_own(spec, numel, world, dtype):
+    codec = gradcomp.codec(spec)
+    grad = torch.randn(numel).to(dtype)
+    residual = torch.randn(numel).to(dtype) if codec.error_feedback else None
+    expected_residual = None if residual is None else residual.clone()  # its chunks are views, updated in place
+    residual_pieces = [None] * world if residual is None else _pieces(expected_residual, world)
+    expected = torch.cat([codec.encode(g, r, step=9, bucket=2, rank=40 + j)
+                          for j, (g, r) in enumerate(zip(_pieces(grad, world), residual_pieces))])
+    got = codec.encode_chunks(grad, residual, world, step=9, bucket=2, first_rank=40)
+    assert torch.equal(got, expected)
+    if residual is not None:
+        assert torch.equal(residual, expected_residual)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("numel, world", [(1003, 3), (3, 4)])
+def test_decode_chunks_decodes_each_row_into_its_chunk(spec, numel, world):
+    codec = gradcomp.codec(spec)
+    grads = _pieces(torch.randn(numel), world)
+    payloads = [codec.encode(g.clone(), None, rank=j) for j, g in enumerate(grads)]
+    rows = torch.zeros(world, max(p.numel() for p in payloads), dtype=torch.uint8)
+    for j, payload in enumerate(payloads):
+        rows[j, : payload.numel()] = payload
+    expected = torch.cat([codec.decode_sum(p, torch.empty(g.numel())) for p, g in zip(payloads, grads)])
+    out = torch.full((numel,), 7.0)
+    codec.decode_chunks(rows, out)
+    assert torch.equal(out, expected)
+
+
+def test_decode_chunks_refuses_rows_that_do_not_fit():
+    codec = gradcomp.codec("signsgd")
+    rows = torch.zeros(3, 48, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"one row per chunk: rows of shape \[2, bytes\]"):
+        torch.ops.gradcomp.decode_chunks(rows, torch.empty(100), False, "signsgd", [0, 0])
+    with pytest.raises(ValueError, match="chunk 0's payload takes 80 bytes, but the rows hold 48"):
+        codec.decode_chunks(rows, torch.empty(300))
+
+
+def _root_mean_square(values: torch.Tensor) -> float:
+    squares = [v * v for v in values.double().tolist()]
+    return math.sqrt(math.fsum(squares) / len(squares))
+
+
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("numel", [1, 257, 4000])
+def test_reencode_sum_is_decode_sum_then_encode(spec, numel):
+    codec = gradcomp.codec(spec)
+    payloads = torch.stack([codec.encode(torch.randn(numel) * (r + 1), None, rank=r) for r in range(3)])
+    owner = torch.randn(numel) if codec.error_feedback else None
+    average = torch.empty(numel)
+    kept = None if owner is None else owner.clone()
+    got = codec.reencode_sum(payloads, average, kept, 1 / 3, step=4, bucket=1, rank=9)
+
+    expected_average = codec.decode_sum(payloads, torch.empty(numel), 1 / 3)
+    assert torch.equal(average, expected_average)
+    m = expected_average + owner if owner is not None else expected_average
+    expected = codec.encode(m.clone(), None, step=4, bucket=1, rank=9)
+    if codec.name == "signsgd" and not codec.vote:  # the sum's root mean square is the scale, the signs are m's
+        scale = torch.tensor([_root_mean_square(m)], dtype=torch.float32)
+        assert scale.item() >= expected[HEADER_BYTES: HEADER_BYTES + 4].view(torch.float32).item()  # >= mean |m|
+        expected[HEADER_BYTES: HEADER_BYTES + 4] = scale.view(torch.uint8)
+    assert torch.equal(got, expected)
+    if owner is not None:
+        assert torch.equal(kept, m - codec.decode_sum(expected, torch.empty(numel)))
+
+
+def test_reencode_sum_checks_its_payloads_before_anything_is_kept():
+    codec = gradcomp.codec("signsgd")
+    payloads = torch.stack([codec.encode(torch.randn(64), step=1), codec.encode(torch.randn(64), step=2)])
+    owner = torch.randn(64)
+    before = owner.clone()
+    with pytest.raises(ValueError, match="cannot decode"):
+        codec.reencode_sum(payloads, torch.empty(64), owner, 0.5)
+    assert torch.equal(owner, before)
