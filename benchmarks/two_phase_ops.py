@@ -29,7 +29,7 @@ import torch
 
 import gradcomp
 from bench_common import machine, write_results
-from gradcomp.schemes.two_phase import chunk_bounds
+from gradcomp.codecs import chunk_bounds
 from kernels import FP32_BYTES, Repetitions, Timer, load_reference, reference_keywords
 
 CODECS = ["signsgd", "terngrad", "qsgd", "topk:ratio=0.01"]

@@ -43,6 +43,17 @@ __device__ __forceinline__ float compensated(const T* grad, const T* residual, i
   return to_float(grad[i]);
 }
 
+// m * m in double, exact (qsgd's block norms, signsgd's norm_scale): a segment_sums value.
+template <typename T, bool kResidual>
+struct SquareCompensated {
+  const T* grad;
+  const T* residual;
+  __device__ double operator()(int64_t i) const {
+    const double m = compensated<kResidual>(grad, residual, i);
+    return m * m;
+  }
+};
+
 // M = grad + residual rounded to T (topk, randomk), saturating both the sum and the rounding.
 template <typename T>
 __device__ __forceinline__ T compensated_value(const T* grad, const T* residual, int64_t i) {

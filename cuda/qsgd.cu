@@ -6,16 +6,6 @@
 namespace gradcomp::cuda {
 namespace {
 
-template <typename T, bool kResidual>
-struct SquareCompensated {
-  const T* grad;
-  const T* residual;
-  __device__ double operator()(int64_t i) const {
-    const double v = compensated<kResidual>(grad, residual, i);
-    return v * v;  // exact in double
-  }
-};
-
 struct BlockNorm {
   float* norms;
   __device__ void operator()(int64_t block, double total, int64_t) const {

@@ -15,16 +15,6 @@ struct AbsCompensated {
   }
 };
 
-template <typename T, bool kResidual>
-struct SquaredCompensated {
-  const T* grad;
-  const T* residual;
-  __device__ double operator()(int64_t i) const {
-    const double m = compensated<kResidual>(grad, residual, i);
-    return m * m;
-  }
-};
-
 struct MeanScale {
   float* scale;
   int64_t n;
@@ -99,7 +89,7 @@ void encode_signsgd(const EncodeParams& p, cudaStream_t stream) {
     T* residual = static_cast<T*>(p.residual);
     double* partial = static_cast<double*>(p.workspace);
     if (p.norm_scale)
-      segment_sums(n, n, SquaredCompensated<T, kResidual>{grad, residual}, MeanScale{scale, n, true}, partial, stream);
+      segment_sums(n, n, SquareCompensated<T, kResidual>{grad, residual}, MeanScale{scale, n, true}, partial, stream);
     else
       segment_sums(n, n, AbsCompensated<T, kResidual>{grad, residual}, MeanScale{scale, n, false}, partial, stream);
     signs_kernel<T, kResidual><<<blocks_for(n), kThreads, 0, stream>>>(grad, residual, n, scale, words);

@@ -60,6 +60,14 @@ inline float compensated(const T* grad, const T* residual, int64_t i) {
   return to_float(grad[i]);
 }
 
+// m * m in double, m the compensated value: exact, a float's square fits a double's mantissa (the
+// sums of squares of qsgd's block norms and signsgd's norm_scale).
+template <bool kResidual, typename T>
+inline double compensated_square(const T* grad, const T* residual, int64_t i) {
+  const double m = compensated<kResidual>(grad, residual, i);
+  return m * m;
+}
+
 template <bool kResidual, typename T>
 inline void load_compensated(const T* grad, const T* residual, int64_t begin, int64_t len, float* m) {
   for (int64_t i = 0; i < len; ++i) m[i] = compensated<kResidual>(grad, residual, begin + i);

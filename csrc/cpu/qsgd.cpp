@@ -121,10 +121,8 @@ void encode_typed(const EncodeArgs& a) {
   const RandomKey key{h.seed, h.step, h.bucket, a.rank};
   const auto block_norm = [&](int64_t b) {
     const int64_t begin = b * block, len = std::min(block, n - begin);
-    return saturated_norm(canonical_sum(len, [&](int64_t i) {
-      const double v = compensated<kResidual>(grad, residual, begin + i);
-      return v * v;
-    }));
+    return saturated_norm(
+        canonical_sum(len, [&](int64_t i) { return compensated_square<kResidual>(grad, residual, begin + i); }));
   };
   // The work goes in fixed slices of whole pairs (each pair's codes are packed by its slice). Small
   // blocks are normed where they are quantized, while in cache, except those that straddle two

@@ -47,10 +47,8 @@ void encode_typed(const EncodeArgs& a) {
   const int64_t n = a.header.numel;
   double total;
   if (a.norm_scale) {
-    total = parallel_canonical_sum(a.parallel_for, n, [&](int64_t i) {
-      const double m = compensated<kResidual>(grad, residual, i);
-      return m * m;  // exact: a float's square fits a double's mantissa
-    });
+    total = parallel_canonical_sum(a.parallel_for, n,
+                                   [&](int64_t i) { return compensated_square<kResidual>(grad, residual, i); });
   } else {
     total = parallel_canonical_sum(a.parallel_for, n, [&](int64_t i) {
       return static_cast<double>(__builtin_fabsf(compensated<kResidual>(grad, residual, i)));

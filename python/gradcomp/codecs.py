@@ -119,6 +119,18 @@ def _check_u32(codec_name: str, key: str, value: Any) -> int:
     return value
 
 
+def chunk_bounds(numel: int, world: int) -> list[tuple[int, int]]:
+    """(start, end) of each of the W chunks of the two-phase scheme: numel // W elements each, one more for the
+    first numel % W (torch.tensor_split's rule, and chunk_range's in csrc/torch/ops.cpp)."""
+    base, extra = divmod(numel, world)
+    bounds, start = [], 0
+    for j in range(world):
+        end = start + base + (j < extra)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
 def count_for_ratio(ratio: float, numel: int) -> int:
     """k = ceil(ratio * numel) with ratio read as its shortest decimal, at least 1 when numel > 0."""
     if numel == 0:
@@ -186,11 +198,10 @@ class PayloadCodec(Codec):
         return out
 
     # The two-phase scheme (schemes/two_phase.py) in three ops: a bucket cut into `world` balanced chunks
-    # (numel // world elements each, one more for the first numel % world), each its own payload.
+    # (chunk_bounds), each its own payload.
     def chunk_params(self, numel: int, world: int) -> tuple[list[int], int]:
         """(param0 of each chunk, the param1 they share)."""
-        base, extra = divmod(numel, world)
-        params = [self.wire_params(base + (j < extra)) for j in range(world)]
+        params = [self.wire_params(end - start) for start, end in chunk_bounds(numel, world)]
         return [p0 for p0, _ in params], params[0][1]
 
     def encode_chunks(self, grad: torch.Tensor, residual: torch.Tensor | None, world: int, *, step: int = 0,

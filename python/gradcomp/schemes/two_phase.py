@@ -36,19 +36,9 @@ import time
 import torch
 
 from .._futures import value_or_raise
+from ..codecs import chunk_bounds
 from .._tensors import keep_if_finite
 from .base import ResidualPlan, copy_into_spare
-
-
-def chunk_bounds(numel: int, world: int) -> list[tuple[int, int]]:
-    """(start, end) of each of the W chunks: numel // W elements each, one more for the first numel % W."""
-    base, extra = divmod(numel, world)
-    bounds, start = [], 0
-    for j in range(world):
-        end = start + base + (j < extra)
-        bounds.append((start, end))
-        start = end
-    return bounds
 
 
 def chunk_stream(rank: int, chunk: int, world: int) -> int:
