@@ -24,6 +24,7 @@ small oscillating entries become full-size steps.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -142,18 +143,28 @@ def save_checkpoint(path: str, checkpoint: dict) -> None:
     os.replace(path + ".tmp", path)
 
 
-def resume_point(path: str, device: torch.device) -> dict | None:
-    """This rank's checkpoint of the latest epoch that every rank has saved (None: start afresh)."""
+def resume_point(path: str, device: torch.device) -> dict:
+    """This rank's checkpoint of the latest epoch that every rank has saved; an error saying what is wrong
+    when there is none (every rank raises alike, so no rank trains on alone)."""
     saved = {c["epoch"]: c for c in (torch.load(p, map_location=device)
                                      for p in (path, path + ".prev") if os.path.exists(p))}
     latest = max(saved, default=-1)
     bounds = torch.tensor([latest, -latest], device=device)
     dist.all_reduce(bounds, op=dist.ReduceOp.MIN)  # [earliest latest epoch, -(latest latest epoch)]
     common, newest = bounds.tolist()[0], -bounds.tolist()[1]
-    if newest - common > 1 or (common >= 0 and common not in saved):  # not what an interrupted run leaves
-        raise RuntimeError(f"rank {dist.get_rank()}: checkpoints in {os.path.dirname(path)} cannot be matched "
+    folder = os.path.dirname(path)
+    if newest < 0:
+        raise RuntimeError(f"--resume: no rank found a checkpoint in {folder} (ckpt.rank{{r}}.pt, written by a run "
+                           f"with --checkpoint {folder}); run without --resume to start afresh")
+    if common < 0:
+        raise RuntimeError(f"--resume: some ranks found no checkpoint in {folder} (this rank, {dist.get_rank()}: "
+                           f"{'none' if not saved else f'epochs {sorted(saved)}'}). Every rank reads "
+                           f"ckpt.rank{{its rank}}.pt, and torchrun hands out ranks by arrival, so across nodes "
+                           f"--checkpoint must name storage that every node shares")
+    if newest - common > 1 or common not in saved:  # not what an interrupted run leaves
+        raise RuntimeError(f"rank {dist.get_rank()}: checkpoints in {folder} cannot be matched "
                            f"(epochs {sorted(saved)} here, latest epochs {common}..{newest} over the ranks)")
-    return saved.get(common)
+    return saved[common]
 
 
 def train(rank: int, world: int, backend: str, args: argparse.Namespace, data=None, local_rank=None) -> None:
@@ -163,8 +174,19 @@ def train(rank: int, world: int, backend: str, args: argparse.Namespace, data=No
     dist.init_process_group(backend, rank=rank, world_size=world)
     try:
         run(rank, world, local_rank, backend, args, data)
+        # No rank tears its group down while another is still in a collective: gloo's worker threads would
+        # otherwise still hold that work when the interpreter shuts down (see end_process_group).
+        dist.barrier()
     finally:
-        dist.destroy_process_group()
+        end_process_group()
+
+
+def end_process_group() -> None:
+    """Destroys the process group while the interpreter is whole: the objects that hold it (DDP's reducer,
+    gradcomp's state, their futures) are collected first, so its worker threads are joined now rather than
+    torn down with the interpreter, where releasing the tensors they hold takes the GIL and aborts."""
+    gc.collect()
+    dist.destroy_process_group()
 
 
 def run(rank: int, world: int, local_rank: int, backend: str, args: argparse.Namespace, data) -> None:

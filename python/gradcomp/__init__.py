@@ -4,6 +4,8 @@
     state = gradcomp.register(ddp_model, "topk:ratio=0.01")   # the DDP communication hook
     # scheme="auto": per bucket, allgather or two-phase (chunks to owners), whichever sends fewer bytes
     state.stats(), state.state_dict()                         # bytes on the wire; checkpoints
+    gradcomp.every_rank(state)               # every rank's state in one object (rank-0-only checkpoints)
+    gradcomp.lightning.GradcompCallback(spec), gradcomp.accelerate.register(accelerator, model, spec)
     gradcomp.available()                      # every codec with its parameters and defaults
     c = gradcomp.codec("qsgd:levels=16,block=512")
     payload = c.encode(grad, residual)        # residual (error feedback) is updated in place
@@ -11,6 +13,7 @@
 """
 
 from . import _ops  # noqa: F401  (loads gradcomp._C: registers torch.ops.gradcomp.*)
+from .checkpoint import every_rank
 from .codecs import Codec, PayloadCodec, available, codec, count_for_ratio, describe, parse_spec
 from .hook import CompressionState, hook, register
 from .powersgd import PowerSGD
@@ -20,4 +23,12 @@ cuda_built = _ops._C.cuda_built
 cpu_isa = _ops._C.cpu_isa
 
 __all__ = ["Codec", "CompressionState", "PayloadCodec", "PowerSGD", "available", "codec", "count_for_ratio", "describe",
-           "hook", "parse_spec", "register"]
+           "every_rank", "hook", "parse_spec", "register"]
+
+
+def __getattr__(name: str):
+    """gradcomp.lightning and gradcomp.accelerate load on first use: their frameworks are optional extras."""
+    if name in ("lightning", "accelerate"):
+        import importlib
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module 'gradcomp' has no attribute {name!r}")

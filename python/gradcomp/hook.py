@@ -49,6 +49,7 @@ import torch.distributed as dist
 from . import _ops
 from ._futures import value_or_raise
 from ._tensors import check_tensor
+from .checkpoint import is_every_rank, this_ranks_entry
 from .codecs import codec as make_codec
 from .schemes import (GATHERED, PLANS, AllgatherBucket, AllreduceBucket, PowerSGDBucket, check_scheme, fixed_scheme,
                       plan_class, ring_allreduce_bytes)
@@ -613,7 +614,13 @@ class CompressionState:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restores what state_dict() saved, after checking it was saved for this configuration and rank."""
+        """Restores what state_dict() saved, after checking it was saved for this configuration and rank; from
+        what every_rank(state).state_dict() saved, this rank's entry."""
+        if is_every_rank(state):
+            group = self._group()
+            initialized = dist.is_initialized()
+            state = this_ranks_entry(state, dist.get_rank(group) if initialized else None,
+                                     dist.get_world_size(group) if initialized else None)
         if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
             found = state.get("format") if isinstance(state, dict) else None
             raise ValueError(f"gradcomp: not a gradcomp state (format {STATE_FORMAT}); got "
@@ -630,7 +637,8 @@ class CompressionState:
         rank = dist.get_rank(self._group()) if dist.is_initialized() else None
         if state.get("rank") is not None and rank is not None and state["rank"] != rank:
             raise ValueError(f"gradcomp: this state holds rank {state['rank']}'s residuals; this is rank {rank} "
-                             f"(every rank loads the state it saved)")
+                             f"(every rank loads the state it saved; where a framework saves rank 0's checkpoint "
+                             f"only, save and load gradcomp.every_rank(state), which holds every rank's)")
         plans = {}
         world, saved_rank = saved_config.get("world_size") or 1, state.get("rank") or 0
         for saved in state["buckets"]:
@@ -726,10 +734,45 @@ def hook(state, bucket):  # DDP checks the annotations, which this module's stri
     return state.communicate(bucket)
 
 
-def register(ddp_model: torch.nn.parallel.DistributedDataParallel, spec: "str | CompressionState" = "topk", *,
+hook.__qualname__ = "gradcomp.hook"  # what DDP's logs (_get_ddp_logging_data()["comm_hook"]) name it
+
+WHERE_TO_REGISTER = (
+    "call gradcomp.register on the DistributedDataParallel model, once it is wrapped: plain PyTorch: "
+    "DistributedDataParallel(model) after dist.init_process_group; Lightning: Trainer(callbacks="
+    "[gradcomp.lightning.GradcompCallback(spec)]); Fabric: the module fabric.setup(model) returns; Accelerate: "
+    "gradcomp.accelerate.register(accelerator, accelerator.prepare(model), spec)")
+
+
+def find_ddp(model) -> torch.nn.parallel.DistributedDataParallel:
+    """The DistributedDataParallel model inside what a user holds: DDP itself, Fabric's module (fabric.setup's
+    result), or a LightningModule whose trainer has wrapped it; otherwise a TypeError saying where to call."""
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return model
+    inner = getattr(model, "_forward_module", None)  # Fabric's _FabricModule
+    if isinstance(inner, torch.nn.parallel.DistributedDataParallel):
+        return inner
+    if any(c.__name__ == "LightningModule" for c in type(model).__mro__):
+        trainer = getattr(model, "_trainer", None)
+        wrapped = getattr(getattr(trainer, "strategy", None), "model", None)
+        if isinstance(wrapped, torch.nn.parallel.DistributedDataParallel):
+            return wrapped
+        raise TypeError(f"gradcomp.register: this LightningModule ({type(model).__name__}) is not wrapped in "
+                        f"DistributedDataParallel (yet); with Lightning, add gradcomp.lightning.GradcompCallback(spec) "
+                        f"to the Trainer's callbacks, which registers once the DDP strategy has wrapped the model")
+    what = type(model).__name__
+    if isinstance(inner, torch.nn.Module):
+        what += f" around a {type(inner).__name__} (this process runs no DDP: is the world size 1?)"
+    raise TypeError(f"gradcomp.register takes a DistributedDataParallel model, got {what}; {WHERE_TO_REGISTER}")
+
+
+def register(ddp_model: torch.nn.Module, spec: "str | CompressionState" = "topk", *,
              process_group: dist.ProcessGroup | None = None, scheme: str = "auto", start_iter: int = 2,
              min_bucket_ratio: float = 1.0, log_every: int = 0, **codec_params: Any) -> CompressionState:
     """Registers codec `spec` as ddp_model's communication hook; returns its state (for stats and checkpoints).
+
+    ddp_model: a DistributedDataParallel model, or what a framework hands out around one (Fabric's module,
+        a LightningModule once its trainer has wrapped it; with Lightning, gradcomp.lightning.GradcompCallback
+        registers at the right moment).
 
     spec: a codec spec, or a CompressionState (say, one unpickled or loaded from a checkpoint), which is
         then registered as it is (with no other options).
@@ -742,9 +785,7 @@ def register(ddp_model: torch.nn.parallel.DistributedDataParallel, spec: "str | 
     min_bucket_ratio: a bucket is compressed only when raw bytes > this x its bytes on the wire.
     log_every: log the cumulative stats to the "gradcomp" logger every N steps (0: never).
     """
-    if not isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel):
-        raise TypeError(f"gradcomp.register takes a torch.nn.parallel.DistributedDataParallel model, got "
-                        f"{type(ddp_model).__name__}; wrap it first: DistributedDataParallel(model)")
+    ddp_model = find_ddp(ddp_model)
     if isinstance(getattr(ddp_model, "_gradcomp_state", None), CompressionState):
         raise RuntimeError(f"gradcomp: a hook ({ddp_model._gradcomp_state.spec}) is already registered on this "
                            f"model; DDP takes one communication hook per model")

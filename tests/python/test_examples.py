@@ -9,11 +9,13 @@ from pathlib import Path
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "train_ddp.py"
 
 
-def run_main_job(*args):
-    result = subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], capture_output=True, text=True,
-                            timeout=600)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
-    return result.stdout
+def run_main_job(*args, expect_ok=True, launcher=(sys.executable,)):
+    result = subprocess.run([*launcher, str(SCRIPT), *map(str, args)], capture_output=True, text=True, timeout=600)
+    if expect_ok:
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+        return result.stdout
+    assert result.returncode != 0, "the job should have failed"
+    return result.stderr
 
 
 def test_main_job_trains_reports_and_resumes_exactly(tmp_path):
@@ -35,6 +37,30 @@ def test_main_job_trains_reports_and_resumes_exactly(tmp_path):
     resumed = json.loads((tmp_path / "resumed.json").read_text())
     for key in ("loss", "test_acc", "wire_bytes", "raw_bytes"):
         assert resumed["epochs"][1][key] == full["epochs"][1][key], key
+
+    # A rank that finds no checkpoint of its own (say, on a node without the shared folder) stops every rank.
+    for name in ("ckpt.rank1.pt", "ckpt.rank1.pt.prev"):
+        (checkpoints / name).unlink()
+    stderr = run_main_job("--epochs", 2, "--checkpoint", checkpoints, "--resume", expect_ok=False)
+    assert "--resume: some ranks found no checkpoint" in stderr and "storage that every node shares" in stderr
+
+
+def test_main_job_resume_without_a_checkpoint_fails_saying_so(tmp_path):
+    stderr = run_main_job("--epochs", 1, "--checkpoint", tmp_path / "nothing-here", "--resume", expect_ok=False)
+    assert "--resume: no rank found a checkpoint in" in stderr and "run without --resume" in stderr
+
+
+def test_main_job_under_torchrun_on_two_simulated_nodes_exits_0(tmp_path):
+    """Two torchrun agents on this host, 2 ranks each, meeting by c10d rendezvous as 2 nodes would."""
+    port = 29400 + os.getpid() % 500
+    agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node",
+                                "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id",
+                                "gradcomp-test", str(SCRIPT), "--epochs", "1", "--batch-size", "100"],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    outputs = [agent.communicate(timeout=600)[0] for agent in agents]
+    for agent, output in zip(agents, outputs):
+        assert agent.returncode == 0, output[-4000:]
+    assert any("world size 4" in output and "final test acc" in output for output in outputs)
 
 
 def test_main_job_refuses_an_unknown_compressor():

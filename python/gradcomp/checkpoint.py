@@ -1,0 +1,99 @@
+"""Every rank's compression state in one checkpoint, for frameworks that write rank 0's file only.
+
+Residuals belong to the rank that built them, but Lightning's ModelCheckpoint, Fabric's `save` and
+Accelerate's `save_state` write what rank 0 holds. `every_rank(state)` wraps a CompressionState so
+that its `state_dict()` (called on every rank at the same moment, as those frameworks do) gathers
+every rank's state into one object, and its `load_state_dict()` gives each rank its own entry:
+
+    fabric.save(path, {"model": model, "gradcomp": gradcomp.every_rank(state)})
+    fabric.load(path, {"model": model, "gradcomp": gradcomp.every_rank(state)})
+
+`every_rank(state, directory=DIR)` keeps large states out of the checkpoint instead: each rank
+writes DIR/gradcomp-step{S}-rank{R}.pt and the checkpoint holds only where to find them (DIR must be
+reachable from every rank that may take that rank's place on resume: shared storage across nodes).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+EVERY_RANK_FORMAT = 1
+
+
+def every_rank(state, directory: str | None = None) -> "EveryRankState":
+    """A view of `state` whose state_dict() holds every rank's state (a collective: call it on every rank)."""
+    return EveryRankState(state, directory)
+
+
+class EveryRankState:
+    """state_dict() / load_state_dict() of a CompressionState over all its ranks (see the module docstring)."""
+
+    __slots__ = ("state", "directory")
+
+    def __init__(self, state, directory: str | None = None):
+        from .hook import CompressionState  # hook imports this module's loader
+        if not isinstance(state, CompressionState):
+            raise TypeError(f"gradcomp.every_rank takes a CompressionState (what gradcomp.register returns), got "
+                            f"{type(state).__name__}")
+        self.state, self.directory = state, directory
+
+    def state_dict(self) -> dict[str, Any]:
+        group = self.state._group()
+        if not dist.is_initialized():
+            raise RuntimeError("gradcomp.every_rank(state).state_dict() gathers every rank's state: call it after "
+                               "torch.distributed.init_process_group, on every rank")
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        mine = _to_cpu(self.state.state_dict())
+        if self.directory is not None:
+            path = os.path.join(self.directory, f"gradcomp-step{self.state.iter}-rank{rank}.pt")
+            os.makedirs(self.directory, exist_ok=True)
+            torch.save(mine, path + ".tmp")
+            os.replace(path + ".tmp", path)
+            mine = {"file": path}
+        everyone: list[Any] = [None] * world
+        dist.all_gather_object(everyone, mine, group=group)  # tensors on the CPU: any rank can unpickle them
+        return {"format": EVERY_RANK_FORMAT, "gradcomp_every_rank": True, "world_size": world, "ranks": everyone}
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        self.state.load_state_dict(saved)
+
+
+def is_every_rank(saved: Any) -> bool:
+    return isinstance(saved, dict) and saved.get("gradcomp_every_rank") is True
+
+
+def this_ranks_entry(saved: dict[str, Any], rank: int | None, world: int | None) -> dict[str, Any]:
+    """This rank's state out of an every-rank checkpoint, read from its file when it was saved to one."""
+    if saved.get("format") != EVERY_RANK_FORMAT:
+        raise ValueError(f"gradcomp: an every-rank state of format {saved.get('format')!r}; this gradcomp reads "
+                         f"format {EVERY_RANK_FORMAT}")
+    saved_world = saved["world_size"]
+    if rank is None or world is None:
+        raise RuntimeError("gradcomp: an every-rank state is loaded by each rank taking its own entry: load it "
+                           "after torch.distributed.init_process_group")
+    if saved_world != world:
+        raise ValueError(f"gradcomp: the state was saved for another configuration (world_size: saved "
+                         f"{saved_world}, now {world}); residuals belong to the ranks that built them, so a run on "
+                         f"another number of ranks starts from a fresh CompressionState (the residuals are "
+                         f"dropped, training goes on)")
+    entry = saved["ranks"][rank]
+    if isinstance(entry, dict) and set(entry) == {"file"}:
+        if not os.path.exists(entry["file"]):
+            raise FileNotFoundError(f"gradcomp: rank {rank}'s state was saved to {entry['file']}, which this rank "
+                                    f"cannot find (per-rank files need storage that every node reaches)")
+        entry = torch.load(entry["file"], map_location="cpu", weights_only=True)
+    return entry
+
+
+def _to_cpu(value):
+    if isinstance(value, torch.Tensor):
+        return value.cpu()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_to_cpu(v) for v in value]
+    return value

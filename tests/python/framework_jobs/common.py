@@ -1,0 +1,34 @@
+"""What the framework jobs share: a small classifier, its synthetic data, the codecs under test, and
+how a job writes the weights it ends with (compared bit for bit by test_frameworks.py)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn as nn
+
+CODECS = {"topk": "topk:ratio=0.05", "powersgd": "powersgd:rank=2", "qsgd": "qsgd:levels=7"}
+SAMPLES, FEATURES, CLASSES, BATCH = 256, 32, 10, 16  # per rank: 128 samples, 16 steps per epoch at 2 ranks
+LR = 0.1
+
+
+def make_dataset() -> torch.utils.data.TensorDataset:
+    generator = torch.Generator().manual_seed(1234)
+    x = torch.randn(SAMPLES, FEATURES, generator=generator)
+    y = (x @ torch.randn(FEATURES, CLASSES, generator=generator)).argmax(1)
+    return torch.utils.data.TensorDataset(x, y)
+
+
+def make_network() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(FEATURES, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, CLASSES))
+
+
+def make_optimizer(params, total_steps: int):
+    optimizer = torch.optim.SGD(params, lr=LR, momentum=0.9)
+    return optimizer, torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps)
+
+
+def save_weights(module: nn.Module, out_dir: str, name: str) -> None:
+    torch.save({k: v.detach().clone() for k, v in module.state_dict().items()}, os.path.join(out_dir, f"{name}.pt"))

@@ -1,0 +1,85 @@
+"""gradcomp.every_rank: every rank's state in one checkpoint object (for frameworks that write rank 0's file),
+and register on the wrappers frameworks hand out."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import checkpoint_scenarios as scenarios
+import gradcomp
+from ddp_harness import run_ranks, unwrap
+
+
+def _same(a, b):
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _residuals(state_dict):
+    return [t for bucket in state_dict["buckets"] for t in bucket["tensors"].values() if t is not None]
+
+
+@pytest.mark.parametrize("spec", ["topk", "powersgd:rank=2"])
+def test_every_rank_state_holds_each_ranks_own_and_each_rank_loads_its_entry(spec, tmp_path):
+    for directory in (None, str(tmp_path)):
+        results = unwrap(run_ranks(scenarios.every_rank_round_trip, 2, (spec, 6, directory)))
+        for rank, result in enumerate(results):
+            assert _same(result["after"], result["before"]), f"rank {rank} did not get its own state back"
+        saved = results[0]["saved"]
+        assert saved["world_size"] == 2 and len(saved["ranks"]) == 2
+        assert _same(saved, results[1]["saved"]), "every rank must hold the same every-rank object"
+        if directory is None:  # the entries are the ranks' own states, which differ (their residuals do)
+            assert [entry["rank"] for entry in saved["ranks"]] == [0, 1]
+            assert not _same(_residuals(saved["ranks"][0]), _residuals(saved["ranks"][1]))
+        else:
+            files = [entry["file"] for entry in saved["ranks"]]
+            assert files == [os.path.join(directory, f"gradcomp-step6-rank{r}.pt") for r in range(2)]
+            assert all(os.path.exists(f) for f in files)
+
+
+def test_every_rank_state_on_another_world_size_or_codec_is_refused_with_what_to_do():
+    saved = unwrap(run_ranks(scenarios.every_rank_round_trip, 2, ("topk", 4, None)))[0]["saved"]
+    errors = unwrap(run_ranks(scenarios.load_every_rank, 3, ("topk", saved)))
+    for error in errors:
+        assert error and "world_size: saved 2, now 3" in error and "fresh CompressionState" in error
+    errors = unwrap(run_ranks(scenarios.load_every_rank, 2, ("qsgd", saved)))
+    for error in errors:
+        assert error and "codec: saved 'topk" in error and "now 'qsgd" in error
+
+
+def test_one_ranks_state_on_another_rank_points_to_every_rank():
+    errors = unwrap(run_ranks(scenarios.this_ranks_state_elsewhere, 2, ("topk", 4)))
+    assert errors[0] is None
+    assert "holds rank 0's residuals; this is rank 1" in errors[1] and "gradcomp.every_rank(state)" in errors[1]
+
+
+def test_every_rank_needs_a_process_group_and_a_state():
+    with pytest.raises(TypeError, match="takes a CompressionState"):
+        gradcomp.every_rank("topk")
+    state = gradcomp.CompressionState("topk")
+    with pytest.raises(RuntimeError, match="after torch.distributed.init_process_group"):
+        gradcomp.every_rank(state).state_dict()
+    saved = {"format": 1, "gradcomp_every_rank": True, "world_size": 2, "ranks": [{}, {}]}
+    with pytest.raises(RuntimeError, match="after torch.distributed.init_process_group"):
+        state.load_state_dict(saved)
+
+
+def test_register_takes_fabrics_module_and_ddp_logs_the_hook_by_name():
+    for result in unwrap(run_ranks(scenarios.register_through_wrapper, 2, (5,))):
+        assert result["registered"] and result["compressed"] > 0
+        assert result["hook_name"] == "gradcomp.hook"
+
+
+def test_register_says_where_to_call_it_for_each_framework():
+    with pytest.raises(TypeError) as error:
+        gradcomp.register(torch.nn.Linear(2, 2), "topk")
+    for where in ("DistributedDataParallel(model)", "GradcompCallback", "fabric.setup", "gradcomp.accelerate.register"):
+        assert where in str(error.value)

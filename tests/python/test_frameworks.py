@@ -1,0 +1,137 @@
+"""gradcomp under Lightning, Fabric and Accelerate, each on 2 CPU ranks launched as its users launch it:
+a run of 2 epochs resumed from the framework's own checkpoint for 2 more ends with the weights of 4
+uninterrupted epochs, bit for bit (the jobs are in framework_jobs/). CI installs both frameworks and sets
+GRADCOMP_REQUIRE_FRAMEWORKS=1, so that there these tests fail rather than skip when one is missing."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+import gradcomp
+
+JOBS = os.path.join(os.path.dirname(__file__), "framework_jobs")
+CODECS = ["topk", "powersgd", "qsgd"]
+
+
+def _require(module: str):
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        if os.environ.get("GRADCOMP_REQUIRE_FRAMEWORKS") == "1":
+            raise
+        pytest.skip(f"{module} is not installed (pip install 'gradcomp[{module.split('.')[0]}]')")
+
+
+def _run(command: list[str], out_dir, expect_ok: bool = True) -> str:
+    done = subprocess.run(command, cwd=JOBS, capture_output=True, text=True, timeout=420,
+                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    log = done.stdout + done.stderr
+    if expect_ok:
+        assert done.returncode == 0, f"{' '.join(command)} failed:\n{log[-6000:]}"
+    return log
+
+
+def _assert_resumed_equals_straight(out_dir, codecs):
+    for codec in codecs:
+        straight, resumed, half = (torch.load(os.path.join(out_dir, f"{codec}-{name}.pt"))
+                                   for name in ("straight", "resumed", "half"))
+        assert not all(torch.equal(straight[k], half[k]) for k in straight), f"{codec}: the epochs 3-4 did nothing"
+        for name in straight:
+            assert torch.equal(straight[name], resumed[name]), (
+                f"{codec}: {name} after resuming differs from 4 uninterrupted epochs by "
+                f"{(straight[name] - resumed[name]).abs().max().item():.3g}")
+
+
+def _launch(launcher: list[str], job: str, out_dir, phase: str, codecs, expect_ok=True) -> str:
+    return _run([*launcher, job, str(out_dir), phase, *codecs], out_dir, expect_ok)
+
+
+def test_lightning_resumes_from_model_checkpoint_bit_for_bit(tmp_path):
+    _require("lightning")
+    python = [sys.executable]  # Lightning starts rank 1 itself
+    _launch(python, "lightning_job.py", tmp_path, "first", CODECS)
+    _launch(python, "lightning_job.py", tmp_path, "resume", CODECS)
+    _assert_resumed_equals_straight(tmp_path, CODECS)
+
+    # ModelCheckpoint wrote rank 0's file; it holds both ranks' states, each with its own residuals.
+    checkpoint = torch.load(tmp_path / "topk-ckpt" / "last.ckpt", weights_only=True)
+    saved = checkpoint["callbacks"]["GradcompCallback"]
+    assert saved["world_size"] == 2 and [entry["rank"] for entry in saved["ranks"]] == [0, 1]
+    # The stats reach Lightning's logger.
+    with open(tmp_path / "topk-straight" / "version_0" / "metrics.csv") as f:
+        header, *rows = f.read().splitlines()
+    assert "gradcomp/ratio" in header.split(",") and rows
+
+    # Another codec refuses the checkpoint, naming both.
+    log = _launch(python, "lightning_job.py", tmp_path, "mismatch", ["topk"], expect_ok=False)
+    assert "the state was saved for another configuration (codec: saved 'topk" in log
+
+
+def test_fabric_trains_with_gradcomp_and_resumes_bit_for_bit(tmp_path):
+    _require("lightning")
+    _launch([sys.executable], "fabric_job.py", tmp_path, "first", CODECS)
+    _launch([sys.executable], "fabric_job.py", tmp_path, "resume", CODECS)
+    _assert_resumed_equals_straight(tmp_path, CODECS)
+
+
+def test_accelerate_resumes_from_save_state_bit_for_bit(tmp_path):
+    _require("accelerate")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    _launch(torchrun, "accelerate_job.py", tmp_path, "first", CODECS)
+    _launch(torchrun, "accelerate_job.py", tmp_path, "resume", CODECS)
+    _assert_resumed_equals_straight(tmp_path, CODECS)
+
+
+def test_the_lightning_callback_refuses_a_single_process_and_other_strategies():
+    _require("lightning")
+    import lightning as L
+    from lightning.pytorch.strategies import SingleDeviceStrategy
+
+    callback = gradcomp.lightning.GradcompCallback("topk")
+    with pytest.raises(ValueError, match="runs a single process .*devices=N, strategy='ddp'"):
+        L.Trainer(accelerator="cpu", devices=1, callbacks=[callback], logger=False, enable_progress_bar=False,
+                  enable_checkpointing=False, enable_model_summary=False).fit(_tiny_module())
+    not_ddp = types.SimpleNamespace(world_size=2, strategy=SingleDeviceStrategy(torch.device("cpu")))
+    with pytest.raises(ValueError, match="works with Lightning's DDP strategy .*runs SingleDeviceStrategy"):
+        callback.setup(not_ddp, None, "fit")
+    with pytest.raises(ValueError, match="ratio=2"):
+        gradcomp.lightning.GradcompCallback("topk", ratio=2)  # bad specs fail in the constructor
+
+
+def test_accelerate_register_refuses_a_single_process():
+    _require("accelerate")
+    from accelerate.utils import DistributedType
+    single = types.SimpleNamespace(num_processes=1, distributed_type=DistributedType.NO)
+    with pytest.raises(ValueError, match="single process; launch 2 or more"):
+        gradcomp.accelerate.register(single, torch.nn.Linear(2, 2), "topk")
+    fsdp = types.SimpleNamespace(num_processes=2, distributed_type=DistributedType.FSDP)
+    with pytest.raises(ValueError, match="works with Accelerate's DDP .*runs FSDP"):
+        gradcomp.accelerate.register(fsdp, torch.nn.Linear(2, 2), "topk")
+
+
+def _tiny_module():
+    import lightning as L
+
+    class Tiny(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(2, 1)
+
+        def training_step(self, batch, batch_idx):
+            return self.layer(batch[0]).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(4, 2)), batch_size=2)
+
+    return Tiny()
+
