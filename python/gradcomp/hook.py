@@ -726,7 +726,7 @@ def _describe(stats: dict[str, Any]) -> str:
             f"({stats['ratio']:.1f}x), encode {stats['encode_s']:.3f}s, decode {stats['decode_s']:.3f}s")
 
 
-def hook(state, bucket):  # DDP checks the annotations, which this module's string annotations would fail
+def gradcomp_hook(state, bucket):  # DDP checks the annotations, which this module's string annotations would fail
     """The communication hook: ddp_model.register_comm_hook(state, gradcomp.hook).
 
     state: a CompressionState; bucket: a torch.distributed.GradBucket; returns a Future holding the
@@ -734,7 +734,7 @@ def hook(state, bucket):  # DDP checks the annotations, which this module's stri
     return state.communicate(bucket)
 
 
-hook.__qualname__ = "gradcomp.hook"  # what DDP's logs (_get_ddp_logging_data()["comm_hook"]) name it
+hook = gradcomp_hook  # DDP's logs (_get_ddp_logging_data()["comm_hook"]) name a hook by its function's name
 
 WHERE_TO_REGISTER = (
     "call gradcomp.register on the DistributedDataParallel model, once it is wrapped: plain PyTorch: "

@@ -4,6 +4,7 @@ and register on the wrappers frameworks hand out."""
 from __future__ import annotations
 
 import os
+import pickle
 
 import pytest
 import torch
@@ -75,7 +76,8 @@ def test_every_rank_needs_a_process_group_and_a_state():
 def test_register_takes_fabrics_module_and_ddp_logs_the_hook_by_name():
     for result in unwrap(run_ranks(scenarios.register_through_wrapper, 2, (5,))):
         assert result["registered"] and result["compressed"] > 0
-        assert result["hook_name"] == "gradcomp.hook"
+        assert result["hook_name"] == "gradcomp_hook"
+    assert pickle.loads(pickle.dumps(gradcomp.hook)) is gradcomp.hook  # spawned workers receive it by name
 
 
 def test_register_says_where_to_call_it_for_each_framework():

@@ -14,6 +14,7 @@ import os
 import sys
 
 import lightning as L
+import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
@@ -38,13 +39,8 @@ class Classifier(L.LightningModule):
         optimizer, schedule = make_optimizer(self.parameters(), EPOCHS * STEPS_PER_EPOCH)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
-    def train_dataloader(self):
-        return torch_data_loader()
-
-
-def torch_data_loader():
-    import torch
-    return torch.utils.data.DataLoader(make_dataset(), batch_size=BATCH, shuffle=True)
+    def train_dataloader(self):  # Lightning puts a DistributedSampler under it and sets its epoch, also on resume
+        return torch.utils.data.DataLoader(make_dataset(), batch_size=BATCH, shuffle=True)
 
 
 def fit(out_dir: str, codec: str, name: str, epochs: int, spec: str, ckpt_path: str | None = None) -> None:
