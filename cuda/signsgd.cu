@@ -1,6 +1,7 @@
-// signsgd (see csrc/cpu/signsgd.cpp): the scale is the canonical sum of |m| (or, with norm_scale, of
-// m * m, then the square root) over the bucket divided by n (two launches, as the CPU sums it), then one pass writes the signs: each warp packs its 32
-// elements with a ballot into one 32-bit word of the bit field, and updates the residual.
+// signsgd (see csrc/cpu/signsgd.cpp): the scale is the canonical sum of |m| over the bucket divided
+// by n (with norm_scale: of m * m, divided by n, then the square root), in two launches as the CPU
+// sums it; then one pass writes the signs: each warp packs its 32 elements with a ballot into one
+// 32-bit word of the bit field, and updates the residual.
 #include "device.cuh"
 
 namespace gradcomp::cuda {

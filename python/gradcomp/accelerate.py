@@ -35,9 +35,9 @@ def register(accelerator, model, spec: "str | CompressionState" = "topk", *, sta
     spec, options: as gradcomp.register takes them. state_dir: every rank writes its state to a file of its own
     there (for large states; reachable from every node) instead of into the checkpoint folder's object."""
     if accelerator.num_processes < 2:
-        raise ValueError(f"gradcomp.accelerate.register compresses what DDP's ranks exchange, and this Accelerator "
-                         f"runs a single process; launch 2 or more (torchrun --nproc-per-node N, or accelerate "
-                         f"launch --multi_gpu / --num_processes N with a multi-CPU config)")
+        raise ValueError("gradcomp.accelerate.register compresses what DDP's ranks exchange, and this Accelerator "
+                         "runs a single process; launch 2 or more (torchrun --nproc-per-node N, or accelerate "
+                         "launch --multi_gpu / --num_processes N with a multi-CPU config)")
     if accelerator.distributed_type not in DDP_TYPES:
         raise ValueError(f"gradcomp.accelerate.register works with Accelerate's DDP ("
                          f"{', '.join(sorted(t.value for t in DDP_TYPES))}); this Accelerator runs "

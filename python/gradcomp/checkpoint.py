@@ -66,20 +66,20 @@ def is_every_rank(saved: Any) -> bool:
     return isinstance(saved, dict) and saved.get("gradcomp_every_rank") is True
 
 
-def this_ranks_entry(saved: dict[str, Any], rank: int | None, world: int | None) -> dict[str, Any]:
-    """This rank's state out of an every-rank checkpoint, read from its file when it was saved to one."""
+def every_rank_world_size(saved: dict[str, Any]) -> int:
+    """The number of ranks that saved an every-rank state, once its format is checked."""
     if saved.get("format") != EVERY_RANK_FORMAT:
         raise ValueError(f"gradcomp: an every-rank state of format {saved.get('format')!r}; this gradcomp reads "
                          f"format {EVERY_RANK_FORMAT}")
-    saved_world = saved["world_size"]
-    if rank is None or world is None:
+    return saved["world_size"]
+
+
+def this_ranks_entry(saved: dict[str, Any], rank: int | None) -> dict[str, Any]:
+    """This rank's state out of an every-rank state saved by this world size (the caller checks it), read from
+    its file when it was saved to one."""
+    if rank is None:
         raise RuntimeError("gradcomp: an every-rank state is loaded by each rank taking its own entry: load it "
                            "after torch.distributed.init_process_group")
-    if saved_world != world:
-        raise ValueError(f"gradcomp: the state was saved for another configuration (world_size: saved "
-                         f"{saved_world}, now {world}); residuals belong to the ranks that built them, so a run on "
-                         f"another number of ranks starts from a fresh CompressionState (the residuals are "
-                         f"dropped, training goes on)")
     entry = saved["ranks"][rank]
     if isinstance(entry, dict) and set(entry) == {"file"}:
         if not os.path.exists(entry["file"]):

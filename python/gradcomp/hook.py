@@ -49,7 +49,7 @@ import torch.distributed as dist
 from . import _ops
 from ._futures import value_or_raise
 from ._tensors import check_tensor
-from .checkpoint import is_every_rank, this_ranks_entry
+from .checkpoint import every_rank_world_size, is_every_rank, this_ranks_entry
 from .codecs import codec as make_codec
 from .schemes import (GATHERED, PLANS, AllgatherBucket, AllreduceBucket, PowerSGDBucket, check_scheme, fixed_scheme,
                       plan_class, ring_allreduce_bytes)
@@ -616,25 +616,16 @@ class CompressionState:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restores what state_dict() saved, after checking it was saved for this configuration and rank; from
         what every_rank(state).state_dict() saved, this rank's entry."""
-        if is_every_rank(state):
-            group = self._group()
-            initialized = dist.is_initialized()
-            state = this_ranks_entry(state, dist.get_rank(group) if initialized else None,
-                                     dist.get_world_size(group) if initialized else None)
+        rank = dist.get_rank(self._group()) if dist.is_initialized() else None
+        if is_every_rank(state):  # its entries can be told apart only on the world size that saved them
+            self._refuse_other_configuration({**self.config(), "world_size": every_rank_world_size(state)})
+            state = this_ranks_entry(state, rank)
         if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
             found = state.get("format") if isinstance(state, dict) else None
             raise ValueError(f"gradcomp: not a gradcomp state (format {STATE_FORMAT}); got "
                              f"{type(state).__name__} with format {found}")
         saved_config = {"scheme": self._scheme_before_schemes(), **state["config"]}
-        differing = {k: (saved_config.get(k), v) for k, v in self.config().items()
-                     if saved_config.get(k) != v and not (k == "world_size" and None in (v, saved_config.get(k)))}
-        if differing:
-            listing = ", ".join(f"{k}: saved {saved!r}, now {now!r}" for k, (saved, now) in differing.items())
-            hint = ("; residuals belong to the ranks that built them, so a run on another number of ranks starts "
-                    "from a fresh CompressionState (the residuals are dropped, training goes on)"
-                    if "world_size" in differing else "")
-            raise ValueError(f"gradcomp: the state was saved for another configuration ({listing}){hint}")
-        rank = dist.get_rank(self._group()) if dist.is_initialized() else None
+        self._refuse_other_configuration(saved_config)
         if state.get("rank") is not None and rank is not None and state["rank"] != rank:
             raise ValueError(f"gradcomp: this state holds rank {state['rank']}'s residuals; this is rank {rank} "
                              f"(every rank loads the state it saved; where a framework saves rank 0's checkpoint "
@@ -665,6 +656,18 @@ class CompressionState:
         model = self._model() if self._model is not None else None
         if model is not None:
             self._check_against(list(model.parameters()))
+
+    def _refuse_other_configuration(self, saved_config: dict[str, Any]) -> None:
+        """A ValueError naming every setting saved_config has otherwise than this state (a world size only when
+        both are known)."""
+        differing = {k: (saved_config.get(k), v) for k, v in self.config().items()
+                     if saved_config.get(k) != v and not (k == "world_size" and None in (v, saved_config.get(k)))}
+        if differing:
+            listing = ", ".join(f"{k}: saved {saved!r}, now {now!r}" for k, (saved, now) in differing.items())
+            hint = ("; residuals belong to the ranks that built them, so a run on another number of ranks starts "
+                    "from a fresh CompressionState (the residuals are dropped, training goes on)"
+                    if "world_size" in differing else "")
+            raise ValueError(f"gradcomp: the state was saved for another configuration ({listing}){hint}")
 
     def _scheme_before_schemes(self) -> str:
         """The scheme of a state saved before states named their schemes: the codec's one, else allgather."""

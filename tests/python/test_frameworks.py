@@ -29,7 +29,8 @@ def _require(module: str):
         pytest.skip(f"{module} is not installed (pip install 'gradcomp[{module.split('.')[0]}]')")
 
 
-def _run(command: list[str], out_dir, expect_ok: bool = True) -> str:
+def _launch(launcher: list[str], job: str, out_dir, phase: str, codecs, expect_ok: bool = True) -> str:
+    command = [*launcher, job, str(out_dir), phase, *codecs]
     done = subprocess.run(command, cwd=JOBS, capture_output=True, text=True, timeout=420,
                           env={**os.environ, "PYTHONWARNINGS": "ignore"})
     log = done.stdout + done.stderr
@@ -47,10 +48,6 @@ def _assert_resumed_equals_straight(out_dir, codecs):
             assert torch.equal(straight[name], resumed[name]), (
                 f"{codec}: {name} after resuming differs from 4 uninterrupted epochs by "
                 f"{(straight[name] - resumed[name]).abs().max().item():.3g}")
-
-
-def _launch(launcher: list[str], job: str, out_dir, phase: str, codecs, expect_ok=True) -> str:
-    return _run([*launcher, job, str(out_dir), phase, *codecs], out_dir, expect_ok)
 
 
 def test_lightning_resumes_from_model_checkpoint_bit_for_bit(tmp_path):

@@ -11,16 +11,11 @@ from __future__ import annotations
 import os
 import sys
 
-import torch
-import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 
 import gradcomp.accelerate
-from common import BATCH, CODECS, SAMPLES, make_dataset, make_network, make_optimizer, save_weights
-
-EPOCHS = 4
-STEPS_PER_EPOCH = SAMPLES // 2 // BATCH
+from common import CODECS, EPOCHS, STEPS_PER_EPOCH, make_network, make_optimizer, save_weights, train_epochs
 
 
 def train(out_dir: str, codec: str, name: str, epochs: int, resume: bool = False) -> None:
@@ -28,11 +23,6 @@ def train(out_dir: str, codec: str, name: str, epochs: int, resume: bool = False
     set_seed(0)
     model = make_network()
     optimizer, schedule = make_optimizer(model.parameters(), EPOCHS * STEPS_PER_EPOCH)
-    # A sampler of our own, keyed by the epoch alone: Accelerate's prepared loader draws its order from RNG
-    # state that a resumed run does not replay.
-    sampler = torch.utils.data.DistributedSampler(make_dataset(), accelerator.num_processes, accelerator.process_index,
-                                                  seed=0)
-    loader = torch.utils.data.DataLoader(sampler.dataset, batch_size=BATCH, sampler=sampler)
     model, optimizer, schedule = accelerator.prepare(model, optimizer, schedule)
     gradcomp.accelerate.register(accelerator, model, CODECS[codec])
     checkpoint = os.path.join(out_dir, f"{codec}-state")
@@ -40,14 +30,8 @@ def train(out_dir: str, codec: str, name: str, epochs: int, resume: bool = False
     if resume:
         accelerator.load_state(checkpoint)
         first_epoch = EPOCHS // 2
-    for epoch in range(first_epoch, epochs):
-        sampler.set_epoch(epoch)
-        for x, y in loader:
-            loss = F.cross_entropy(model(x), y)
-            optimizer.zero_grad()
-            accelerator.backward(loss)
-            optimizer.step()
-            schedule.step()
+    train_epochs(model, optimizer, schedule, accelerator.backward, accelerator.num_processes,
+                 accelerator.process_index, first_epoch, epochs)
     if name == "half":
         accelerator.save_state(checkpoint)
     if accelerator.is_main_process:

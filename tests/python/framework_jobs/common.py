@@ -7,10 +7,13 @@ import os
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 CODECS = {"topk": "topk:ratio=0.05", "powersgd": "powersgd:rank=2", "qsgd": "qsgd:levels=7"}
 SAMPLES, FEATURES, CLASSES, BATCH = 256, 32, 10, 16  # per rank: 128 samples, 16 steps per epoch at 2 ranks
 LR = 0.1
+EPOCHS = 4  # a straight run; the interrupted one stops after EPOCHS // 2 and resumes
+STEPS_PER_EPOCH = SAMPLES // 2 // BATCH  # the jobs run on 2 ranks
 
 
 def make_dataset() -> torch.utils.data.TensorDataset:
@@ -32,3 +35,20 @@ def make_optimizer(params, total_steps: int):
 
 def save_weights(module: nn.Module, out_dir: str, name: str) -> None:
     torch.save({k: v.detach().clone() for k, v in module.state_dict().items()}, os.path.join(out_dir, f"{name}.pt"))
+
+
+def train_epochs(model, optimizer, schedule, backward, world: int, rank: int, first_epoch: int, epochs: int) -> None:
+    """The training loop of the Fabric and Accelerate jobs; backward is the framework's (fabric.backward,
+    accelerator.backward). The data go through a DistributedSampler of our own, keyed by the epoch alone: Fabric's
+    loader would number its sampler's epochs by counting iterations from 0 in each process, and Accelerate's
+    prepared loader draws its order from RNG state, so a resumed run would not see the uninterrupted run's data."""
+    sampler = torch.utils.data.DistributedSampler(make_dataset(), world, rank, seed=0)
+    loader = torch.utils.data.DataLoader(sampler.dataset, batch_size=BATCH, sampler=sampler)
+    for epoch in range(first_epoch, epochs):
+        sampler.set_epoch(epoch)
+        for x, y in loader:
+            loss = F.cross_entropy(model(x), y)
+            optimizer.zero_grad()
+            backward(loss)
+            optimizer.step()
+            schedule.step()

@@ -13,39 +13,24 @@ import os
 import sys
 
 import lightning as L
-import torch
-import torch.nn.functional as F
 
 import gradcomp
-from common import BATCH, CODECS, SAMPLES, make_dataset, make_network, make_optimizer, save_weights
-
-EPOCHS = 4
-STEPS_PER_EPOCH = SAMPLES // 2 // BATCH
+from common import CODECS, EPOCHS, STEPS_PER_EPOCH, make_network, make_optimizer, save_weights, train_epochs
 
 
 def train(fabric: L.Fabric, out_dir: str, codec: str, name: str, epochs: int, resume: bool = False) -> None:
     model = make_network()
     optimizer, schedule = make_optimizer(model.parameters(), EPOCHS * STEPS_PER_EPOCH)
     model, optimizer = fabric.setup(model, optimizer)
-    # A sampler of our own: Fabric's loader would set the sampler's epoch by counting its iterations from 0,
-    # so a resumed run would replay the first epochs' order.
-    sampler = torch.utils.data.DistributedSampler(make_dataset(), fabric.world_size, fabric.global_rank, seed=0)
-    loader = torch.utils.data.DataLoader(sampler.dataset, batch_size=BATCH, sampler=sampler)
     state = gradcomp.register(model, CODECS[codec])
     checkpoint = {"model": model, "optimizer": optimizer, "schedule": schedule, "gradcomp": gradcomp.every_rank(state),
                   "epoch": 0}
     path = os.path.join(out_dir, f"{codec}-fabric.ckpt")
     if resume:
         fabric.load(path, checkpoint)
-    for epoch in range(checkpoint["epoch"], epochs):
-        sampler.set_epoch(epoch)
-        for x, y in loader:
-            loss = F.cross_entropy(model(x), y)
-            optimizer.zero_grad()
-            fabric.backward(loss)
-            optimizer.step()
-            schedule.step()
-        checkpoint["epoch"] = epoch + 1
+    train_epochs(model, optimizer, schedule, fabric.backward, fabric.world_size, fabric.global_rank,
+                 checkpoint["epoch"], epochs)
+    checkpoint["epoch"] = epochs
     if name == "half":
         fabric.save(path, checkpoint)
     if fabric.global_rank == 0:

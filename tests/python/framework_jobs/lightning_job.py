@@ -20,10 +20,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
 import gradcomp.lightning
-from common import BATCH, CODECS, SAMPLES, make_dataset, make_network, make_optimizer, save_weights
-
-EPOCHS = 4
-STEPS_PER_EPOCH = SAMPLES // 2 // BATCH
+from common import BATCH, CODECS, EPOCHS, STEPS_PER_EPOCH, make_dataset, make_network, make_optimizer, save_weights
 
 
 class Classifier(L.LightningModule):
