@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs everything gradcomp needs on a fresh Debian machine, then gradcomp itself.
 #   bash tools/install.sh            # CPU torch 2.13, build and test tools (gtest, clang, qemu, Lightning,
-#                                    # Accelerate), gradcomp
+#                                    # Accelerate), the benchmarks' data, gradcomp
 # Environment: TORCH_SPEC (default torch==2.13.0), GRADCOMP_CUDA (auto|ON|OFF), PYTHON (default python3).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,6 +18,8 @@ command -v clang++ >/dev/null || need_apt+=(clang)
 compgen -G "/usr/lib/llvm-*/lib/clang/*/lib/linux/libclang_rt.fuzzer-$(uname -m).a" >/dev/null || need_apt+=(libclang-rt-dev)
 # qemu-user lets the tests run the kernels on emulated older x86 CPUs (see tools/test.sh).
 [ "$(uname -m)" != x86_64 ] || command -v qemu-x86_64 >/dev/null || need_apt+=(qemu-user)
+# The King James Bible: benchmarks/lm.py's corpus.
+command -v bible >/dev/null || need_apt+=(bible-kjv)
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" != 0 ]; then
     echo "gradcomp: please install with your package manager: ${need_apt[*]}" >&2
@@ -29,7 +31,7 @@ fi
 
 # torch first and on its own: the extension is built against the torch that is installed.
 "$PYTHON" -c "import torch" 2>/dev/null || "$PYTHON" -m pip install -q "$TORCH_SPEC"
-"$PYTHON" -m pip install -q "scikit-build-core>=0.10" "pybind11>=2.12" numpy pytest matplotlib mnist1d
+"$PYTHON" -m pip install -q "scikit-build-core>=0.10" "pybind11>=2.12" numpy pytest matplotlib mnist1d tokenizers
 # The frameworks gradcomp.lightning and gradcomp.accelerate plug into (optional extras; the tests use them).
 "$PYTHON" -m pip install -q "lightning>=2.1" "accelerate>=0.26"
 "$PYTHON" -m pip install -q --no-build-isolation .

@@ -2,12 +2,14 @@
 
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 SCRIPT = BENCHMARKS / "kernels.py"
@@ -120,3 +122,50 @@ def test_two_phase_ops_quick_mode(tmp_path):
     assert (tmp_path / "two_phase_ops_quick.csv").read_text().count("\n") == 13  # header + 12 rows
     assert (tmp_path / "two_phase_ops_quick.png").read_bytes()[:8] == PNG_MAGIC
     assert "copy_" in stdout
+
+
+def test_lm_quick_mode_learns_and_writes(tmp_path):
+    out = run_script(BENCHMARKS / "lm.py", "--quick", "--codecs", "none", "topk:ratio=0.01", "--out", tmp_path)
+    report = json.loads((tmp_path / "lm_quick.json").read_text())
+    rows = {row["spec"]: row for row in report["summary"]}
+    assert set(rows) == {"none", "topk:ratio=0.01"}
+    assert rows["none"]["ratio"] == 1.0 and rows["topk:ratio=0.01"]["ratio"] > 3
+    vocab = report["model"]["vocab"]
+    for row in rows.values():  # 30 steps of a tiny model already beat guessing uniformly over the vocabulary
+        assert row["diverged"] == 0 and 1 < row["ppl_mean"] < vocab / 2
+    baselines = report["baselines"]
+    assert 1 < baselines["bigram_ppl"] < baselines["unigram_ppl"] < vocab
+    assert report["corpus"]["val_chars"] < report["corpus"]["train_chars"] / 10
+    assert (tmp_path / "lm_quick.csv").read_text().count("\n") == 3
+    assert (tmp_path / "lm_quick.png").read_bytes()[:8] == PNG_MAGIC
+    assert "bigram" in out
+
+
+def test_lm_split_holds_out_whole_chapters_and_fits_the_vocabulary_on_training_text():
+    sys.path.insert(0, str(BENCHMARKS))
+    import lm
+
+    # Chapter 10 of every 20 is held out; its word appears nowhere else, so no merge can come from it.
+    chapters = [f"chapter {i} in the beginning was the word\n" for i in range(40)]
+    chapters[10] = chapters[30] = "zyzzyva quixotic zyzzyva quixotic\n" * 50
+    corpus = lm.split_corpus(chapters, 300)
+    held_out = chapters[10] + chapters[30]
+    assert corpus["val_chars"] == len(held_out)
+    assert corpus["train_chars"] == sum(map(len, chapters)) - len(held_out)
+    tokenizer = lm.fit_tokenizer("".join(c for i, c in enumerate(chapters) if i not in (10, 30)), 300)
+    assert tokenizer.decode(corpus["val"].long().tolist()) == held_out  # lossless
+    assert "zyzzyva" not in "".join(tokenizer.get_vocab())  # fitted without the held-out text
+    assert len(corpus["val"]) > len(held_out) / 4  # the unseen words stay in small pieces
+
+
+def test_lm_ngram_baselines_match_hand_counts():
+    sys.path.insert(0, str(BENCHMARKS))
+    import lm
+
+    train, val = torch.tensor([0, 1, 0, 1, 0, 2] * 10), torch.tensor([0, 1, 0, 2])
+    baselines = lm.ngram_baselines(train, val, 3)
+    unigram = {0: 31 / 63, 1: 21 / 63, 2: 11 / 63}  # counts 30, 20, 10, each + 1
+    expected = -sum(math.log(unigram[t]) for t in val.tolist()) / 4
+    assert math.isclose(baselines["unigram_loss"], expected, rel_tol=1e-9)
+    # Every pair the validation split holds was seen; interpolation with the unigram can only cost.
+    assert baselines["bigram_ppl"] < baselines["unigram_ppl"]
