@@ -36,7 +36,7 @@ from torch.nn.parallel import DistributedDataParallel
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.join(ROOT, "examples"), os.path.join(ROOT, "benchmarks")]
 import train_ddp as main_job  # noqa: E402 - the main job's model, data and recipe
-from bench_common import machine, write_results  # noqa: E402
+from bench_common import machine, run_plan, write_results  # noqa: E402
 
 import gradcomp  # noqa: E402
 
@@ -121,29 +121,22 @@ def train_one(data, make_model, spec: str, seed: int, epochs: int, batch_size: i
 
 
 def rank_main(rank: int, world: int, backend: str, plan: list, datasets: dict, args, results_path: str):
-    torch.set_num_threads(args.threads)
-    dist.init_process_group(backend, rank=rank, world_size=world)
-    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', rank))}" if backend == "nccl" else "cpu")
-    try:
-        runs = []
-        for dataset_name, family, spec, seed in plan:
-            loader, make_model, epochs, batch_size, lr = DATASETS[dataset_name]
-            if dataset_name not in datasets:
-                datasets[dataset_name] = loader()
-            data = {k: v.to(device) for k, v in datasets[dataset_name].items()}
-            run = train_one(data, make_model, spec, seed, args.epochs or epochs, batch_size, lr, world, rank, device,
-                            args.scheme)
-            run.update(dataset=dataset_name, family=family, world_size=world, date=time.strftime("%Y-%m-%d"))
-            runs.append(run)
-            if rank == 0:
-                print(f"{dataset_name:8s} {spec:32s} seed {seed}: test acc {run['test_acc']:5.1f}%  "
-                      f"ratio {run['ratio']:7.1f}x  {run['seconds']:5.1f} s", flush=True)
-                with open(results_path + ".partial", "w") as f:  # progress survives an interrupted sweep
-                    json.dump(runs, f)
-        if rank == 0:
-            os.replace(results_path + ".partial", results_path)
-    finally:
-        dist.destroy_process_group()
+    def run_one(item, device):
+        dataset_name, family, spec, seed = item
+        loader, make_model, epochs, batch_size, lr = DATASETS[dataset_name]
+        if dataset_name not in datasets:
+            datasets[dataset_name] = loader()
+        data = {k: v.to(device) for k, v in datasets[dataset_name].items()}
+        run = train_one(data, make_model, spec, seed, args.epochs or epochs, batch_size, lr, world, rank, device,
+                        args.scheme)
+        run.update(dataset=dataset_name, family=family, world_size=world, date=time.strftime("%Y-%m-%d"))
+        return run
+
+    def describe(run):
+        return (f"{run['dataset']:8s} {run['spec']:32s} seed {run['seed']}: test acc {run['test_acc']:5.1f}%  "
+                f"ratio {run['ratio']:7.1f}x  {run['seconds']:5.1f} s")
+
+    run_plan(rank, world, backend, plan, run_one, describe, results_path, args.threads)
 
 
 def summarize(runs: list[dict]) -> list[dict]:

@@ -13,6 +13,7 @@ import sys
 import time
 
 import torch
+import torch.distributed as dist
 
 import gradcomp
 
@@ -32,6 +33,28 @@ def machine() -> dict:
         commit = ""
     return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
             "gradcomp": gradcomp.__version__, "commit": commit, "date": time.strftime("%Y-%m-%d")}
+
+
+def run_plan(rank: int, world: int, backend: str, plan: list, run_one, describe, results_path: str,
+             threads: int) -> None:
+    """A rank of a sweep: every item of plan in turn in one process group, run_one(item, device) giving a run
+    (a dict). Rank 0 prints describe(run) after each and keeps the runs so far in results_path + ".partial", so
+    an interrupted sweep keeps its progress; the finished list is renamed to results_path."""
+    torch.set_num_threads(threads)
+    dist.init_process_group(backend, rank=rank, world_size=world)
+    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', rank))}" if backend == "nccl" else "cpu")
+    try:
+        runs = []
+        for item in plan:
+            runs.append(run_one(item, device))
+            if rank == 0:
+                print(describe(runs[-1]), flush=True)
+                with open(results_path + ".partial", "w") as f:
+                    json.dump(runs, f)
+        if rank == 0:
+            os.replace(results_path + ".partial", results_path)
+    finally:
+        dist.destroy_process_group()
 
 
 def write_results(stem: str, report: dict, rows: list[dict]) -> None:

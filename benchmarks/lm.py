@@ -58,7 +58,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.join(ROOT, "examples"), os.path.join(ROOT, "benchmarks")]
 import train_ddp as main_job  # noqa: E402 - the learning-rate schedule and the spawn helpers
 from accuracy_vs_ratio import SWEEP, merged_with_earlier  # noqa: E402
-from bench_common import machine, write_results  # noqa: E402
+from bench_common import machine, run_plan, write_results  # noqa: E402
 
 import gradcomp  # noqa: E402
 
@@ -79,6 +79,7 @@ class Config:
     warmup_fraction: float = 0.05
     clip_norm: float = 1.0
     eval_windows: int = 0  # 0: the whole validation split
+    optimizer: str = "adamw"  # or "sgd": Nesterov momentum 0.9, no weight decay (to tell Adam's part apart)
 
 
 FULL = Config()
@@ -126,7 +127,8 @@ def split_corpus(chapters: list[str], vocab_size: int) -> dict:
 
     def encode(s: str) -> torch.Tensor:
         lines = tokenizer.encode_batch(s.splitlines(keepends=True))
-        return torch.tensor([i for line in lines for i in line.ids], dtype=torch.int16)
+        return torch.tensor([i for line in lines for i in line.ids], dtype=torch.int16 if vocab_size < 2**15 else
+                            torch.int32)
 
     return {"train": encode(train_text), "val": encode(val_text), "vocab_size": tokenizer.get_vocab_size(),
             "train_chars": len(train_text), "val_chars": len(val_text)}
@@ -189,7 +191,9 @@ class Transformer(nn.Module):
         return self.ln_out(hidden) @ self.embedding.weight.T  # tied output projection
 
 
-def make_optimizer(model: nn.Module, config: Config) -> torch.optim.AdamW:
+def make_optimizer(model: nn.Module, config: Config) -> torch.optim.Optimizer:
+    if config.optimizer == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=config.peak_lr, momentum=0.9, nesterov=True)
     decayed = [p for p in model.parameters() if p.dim() >= 2]
     others = [p for p in model.parameters() if p.dim() < 2]
     return torch.optim.AdamW([{"params": decayed, "weight_decay": config.weight_decay},
@@ -255,7 +259,8 @@ def train_one(corpus: dict, config: Config, spec: str, seed: int, world: int, ra
     steps_done = max(len(train_losses), 1)
     return {"spec": spec, "full_spec": state.spec, "seed": seed, "val_loss": val_loss,
             "val_ppl": math.exp(val_loss) if math.isfinite(val_loss) else float("inf"),
-            "bits_per_char": val_loss * len(corpus["val"]) / corpus["val_chars"] / math.log(2), "diverged_at_step": diverged_at,
+            "bits_per_char": val_loss * len(corpus["val"]) / corpus["val_chars"] / math.log(2),
+            "diverged_at_step": diverged_at,
             "final_train_loss": statistics.fmean(train_losses[-20:]) if train_losses else float("nan"),
             "steps": len(train_losses), "wire_bytes_per_step": total["wire_bytes"] / steps_done,
             "raw_bytes_per_step": total["raw_bytes"] / steps_done,
@@ -264,27 +269,19 @@ def train_one(corpus: dict, config: Config, spec: str, seed: int, world: int, ra
             "seconds": time.perf_counter() - started}
 
 
-def rank_main(rank: int, world: int, backend: str, plan: list, corpus: dict | None, args, results_path: str):
-    torch.set_num_threads(args.threads)
-    dist.init_process_group(backend, rank=rank, world_size=world)
-    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', rank))}" if backend == "nccl" else "cpu")
-    corpus = corpus or split_corpus(load_chapters(), args.config.vocab)
-    try:
-        runs = []
-        for family, spec, seed in plan:
-            run = train_one(corpus, args.config, spec, seed, world, rank, device, args.scheme)
-            run.update(family=family, date=time.strftime("%Y-%m-%d"))
-            runs.append(run)
-            if rank == 0:
-                note = f"  diverged at step {run['diverged_at_step']}" if run["diverged_at_step"] is not None else ""
-                print(f"{spec:32s} seed {seed}: val ppl {run['val_ppl']:7.3f} ({run['bits_per_char']:.3f} bits/char)"
-                      f"  ratio {run['ratio']:7.1f}x  {run['seconds']:6.1f} s{note}", flush=True)
-                with open(results_path + ".partial", "w") as f:  # progress survives an interrupted sweep
-                    json.dump(runs, f)
-        if rank == 0:
-            os.replace(results_path + ".partial", results_path)
-    finally:
-        dist.destroy_process_group()
+def rank_main(rank: int, world: int, backend: str, plan: list, corpus: dict, args, results_path: str):
+    def run_one(item, device):
+        family, spec, seed = item
+        run = train_one(corpus, args.config, spec, seed, world, rank, device, args.scheme)
+        run.update(family=family, date=time.strftime("%Y-%m-%d"))
+        return run
+
+    def describe(run):
+        stopped = f"  diverged at step {run['diverged_at_step']}" if run["diverged_at_step"] is not None else ""
+        return (f"{run['spec']:32s} seed {run['seed']}: val ppl {run['val_ppl']:7.3f} ({run['bits_per_char']:.3f} "
+                f"bits/char)  ratio {run['ratio']:7.1f}x  {run['seconds']:6.1f} s{stopped}")
+
+    run_plan(rank, world, backend, plan, run_one, describe, results_path, args.threads)
 
 
 def summarize(runs: list[dict]) -> list[dict]:
@@ -317,19 +314,23 @@ def plot(rows: list[dict], baselines: dict, world: int, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8.5, 5.5))
+    fig, ax = plt.subplots(figsize=(9, 6))
     base = next((r for r in rows if r["spec"] == "none"), None)
     families = list(dict.fromkeys(r["family"] for r in rows if r["spec"] != "none"))
     colors = {f: plt.get_cmap("tab10")(i % 10) for i, f in enumerate(families)}
     markers = dict(zip(families, "osD^v<>ph*Xd"))
-    top = base["ppl_mean"] * 1.25 if base else max(r["ppl_mean"] for r in rows if math.isfinite(r["ppl_mean"]))
     if base:
         ax.axhline(base["ppl_mean"], color="black", linestyle="--", linewidth=1,
-                   label=f"uncompressed ({base['ppl_mean']:.3f})")
-        ax.axhspan(base["ppl_mean"], base["ppl_mean"] * 1.03, color="black", alpha=0.07, label="within 3%")
+                   label=f"uncompressed ({base['ppl_mean']:.2f})")
+        ax.axhspan(base["ppl_mean"], base["ppl_mean"] * 1.03, color="black", alpha=0.1, label="within 3%")
+    for name, style in (("bigram", ":"), ("unigram", "-.")):
+        ax.axhline(baselines[f"{name}_ppl"], color="grey", linestyle=style, linewidth=1,
+                   label=f"{name} model ({baselines[f'{name}_ppl']:.1f})")
+    finite = [r["ppl_mean"] for r in rows if math.isfinite(r["ppl_mean"])]
+    top = max(finite + [baselines["unigram_ppl"]]) * 1.3
     for family in families:
         points = sorted((r for r in rows if r["family"] == family), key=lambda r: r["ratio"])
-        shown = [p for p in points if p["ppl_mean"] <= top]
+        shown = [p for p in points if math.isfinite(p["ppl_mean"])]
         if shown:
             ax.errorbar([p["ratio"] for p in shown], [p["ppl_mean"] for p in shown],
                         yerr=[[p["ppl_mean"] - p["ppl_min"] for p in shown],
@@ -337,21 +338,20 @@ def plot(rows: list[dict], baselines: dict, world: int, path: str) -> None:
                         color=colors[family], marker=markers[family], capsize=3, label=family,
                         linestyle="-" if len(shown) > 1 else "none")
         for p in points:
-            if p["ppl_mean"] > top:  # off the chart: an arrow at the top with its perplexity
-                label = "diverged" if not math.isfinite(p["ppl_mean"]) else f"{p['ppl_mean']:.1f}"
-                ax.annotate(label, xy=(p["ratio"], top), xytext=(0, -16), textcoords="offset points",
+            if not math.isfinite(p["ppl_mean"]):  # a run that diverged: an arrow at the top
+                ax.annotate("diverged", xy=(p["ratio"], top), xytext=(0, -16), textcoords="offset points",
                             ha="center", fontsize=7, color=colors[family],
                             arrowprops={"arrowstyle": "->", "color": colors[family]})
     ax.set_xscale("log")
+    ax.set_yscale("log")
     ax.set_ylim(top=top)
     ax.set_xlabel("compression ratio (raw bytes / bytes on the wire, log scale)")
-    ax.set_ylabel("validation perplexity per character (lower is better)")
+    ax.set_ylabel("validation perplexity per token (log scale, lower is better)")
     seeds = max(r["seeds"] for r in rows)
-    ax.set_title(f"char transformer on the KJV Bible, AdamW, {world} ranks (mean and range over up to {seeds} "
-                 f"seeds)\nbaselines on the same split: unigram {baselines['unigram_ppl']:.1f}, "
-                 f"bigram {baselines['bigram_ppl']:.1f}", fontsize=10)
+    ax.set_title(f"transformer LM on the King James Bible under AdamW, {world} ranks\n"
+                 f"(mean and range over up to {seeds} seeds)", fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8, loc="upper left")
+    ax.legend(fontsize=7, loc="upper left", ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -365,6 +365,9 @@ def parse_args(argv=None):
                         help="every spec's seeds (default: 0 1 2 for none, topk(0.01), powersgd(4), signsgd, "
                              "0 for the rest; quick: 0)")
     parser.add_argument("--steps", type=int, help="override the number of training steps")
+    parser.add_argument("--peak-lr", type=float, help="override the peak learning rate")
+    parser.add_argument("--optimizer", choices=["adamw", "sgd"],
+                        help="adamw (default), or SGD with Nesterov momentum 0.9 to compare (give --peak-lr)")
     parser.add_argument("--nprocs", type=int, default=2, help="local ranks (ignored under torchrun)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--scheme", default="auto", choices=gradcomp.schemes.SCHEME_OPTIONS,
@@ -375,7 +378,8 @@ def parse_args(argv=None):
                         help="drop earlier results in --out (default: keep the runs this invocation does not redo)")
     args = parser.parse_args(argv)
     config = QUICK if args.quick else FULL
-    args.config = Config(**{**asdict(config), "steps": args.steps}) if args.steps else config
+    overrides = {"steps": args.steps, "peak_lr": args.peak_lr, "optimizer": args.optimizer}
+    args.config = Config(**{**asdict(config), **{k: v for k, v in overrides.items() if v is not None}})
     if args.quick:
         args.seeds = args.seeds or [0]
         args.codecs = args.codecs or QUICK_SPECS
@@ -405,7 +409,7 @@ def main(argv=None) -> None:
         print(f"redrew {stem}.png")
         return
     plan = build_plan(args)
-    corpus = split_corpus(load_chapters(), args.config.vocab)
+    corpus = split_corpus(load_chapters(), args.config.vocab)  # under torchrun every rank's: the fit is deterministic
     baselines = ngram_baselines(corpus["train"], corpus["val"], corpus["vocab_size"])
     parameters = sum(p.numel() for p in Transformer(corpus["vocab_size"], args.config).parameters())
     raw_path = stem + ".runs.json"
