@@ -83,7 +83,7 @@ class Config:
 
 
 FULL = Config()
-QUICK = Config(vocab=512, width=64, layers=2, context=32, batch_per_rank=8, steps=30, eval_windows=64)
+QUICK = Config(vocab=512, width=64, layers=2, context=32, batch_per_rank=8, steps=30, peak_lr=3e-3, eval_windows=64)
 
 # Every codec at its defaults (the sweep holds all but bf16) and the sweep; these get 3 seeds.
 SPECS = SWEEP[:2] + [("bf16", "bf16")] + SWEEP[2:]
