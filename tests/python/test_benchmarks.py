@@ -34,6 +34,15 @@ def test_kernel_benchmark_quick_mode(tmp_path):
     assert "signsgd" in result.stdout
 
 
+def load_benchmark(script):
+    """A benchmark script as a module, its main() not run."""
+    spec = importlib.util.spec_from_file_location(script.removesuffix(".py") + "_benchmark", BENCHMARKS / script)
+    benchmark = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = benchmark  # where a dataclass looks its module up while the module runs
+    spec.loader.exec_module(benchmark)
+    return benchmark
+
+
 def run_script(*args, timeout=900):
     result = subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
@@ -79,9 +88,7 @@ def test_network_tiny_mode(tmp_path):
 
 @pytest.mark.parametrize("script", ["network.py", "scaling.py"])
 def test_network_benchmarks_without_root_explain_and_exit_cleanly(script, tmp_path, monkeypatch, capsys):
-    spec = importlib.util.spec_from_file_location(script.removesuffix(".py") + "_benchmark", BENCHMARKS / script)
-    benchmark = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(benchmark)
+    benchmark = load_benchmark(script)
     monkeypatch.setattr(benchmark.os, "geteuid", lambda: 1000)
     assert benchmark.main(["--out", str(tmp_path)]) == 0
     assert "needs root" in capsys.readouterr().out
@@ -142,8 +149,7 @@ def test_lm_quick_mode_learns_and_writes(tmp_path):
 
 
 def test_lm_split_holds_out_whole_chapters_and_fits_the_vocabulary_on_training_text():
-    sys.path.insert(0, str(BENCHMARKS))
-    import lm
+    lm = load_benchmark("lm.py")
 
     # Chapter 10 of every 20 is held out; its word appears nowhere else, so no merge can come from it.
     chapters = [f"chapter {i} in the beginning was the word\n" for i in range(40)]
@@ -159,8 +165,7 @@ def test_lm_split_holds_out_whole_chapters_and_fits_the_vocabulary_on_training_t
 
 
 def test_lm_ngram_baselines_match_hand_counts():
-    sys.path.insert(0, str(BENCHMARKS))
-    import lm
+    lm = load_benchmark("lm.py")
 
     train, val = torch.tensor([0, 1, 0, 1, 0, 2] * 10), torch.tensor([0, 1, 0, 2])
     baselines = lm.ngram_baselines(train, val, 3)
