@@ -191,6 +191,15 @@ class Transformer(nn.Module):
         return self.ln_out(hidden) @ self.embedding.weight.T  # tied output projection
 
 
+def register_codec(ddp: DistributedDataParallel, spec: str, scheme: str):
+    """gradcomp's hook for `spec` (lm_variants.py puts pure-PyTorch stand-ins here)."""
+    return gradcomp.register(ddp, spec, scheme=scheme)
+
+
+def check_spec(spec: str) -> None:
+    gradcomp.codec(spec)  # a clear error for a bad spec, before any rank starts
+
+
 def make_optimizer(model: nn.Module, config: Config) -> torch.optim.Optimizer:
     if config.optimizer == "sgd":
         return torch.optim.SGD(model.parameters(), lr=config.peak_lr, momentum=0.9, nesterov=True)
@@ -234,7 +243,7 @@ def train_one(corpus: dict, config: Config, spec: str, seed: int, world: int, ra
     model = Transformer(corpus["vocab_size"], config).to(device)
     optimizer = make_optimizer(model, config)
     ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    state = gradcomp.register(ddp, spec, scheme=scheme)
+    state = register_codec(ddp, spec, scheme)
     warmup = max(int(config.steps * config.warmup_fraction), 1)
     train_losses, diverged_at = [], None
     started = time.perf_counter()
@@ -365,6 +374,7 @@ def parse_args(argv=None):
                         help="every spec's seeds (default: 0 1 2 for none, topk(0.01), powersgd(4), signsgd, "
                              "0 for the rest; quick: 0)")
     parser.add_argument("--steps", type=int, help="override the number of training steps")
+    parser.add_argument("--batch-per-rank", type=int, help="override the sequences per rank per step")
     parser.add_argument("--peak-lr", type=float, help="override the peak learning rate")
     parser.add_argument("--optimizer", choices=["adamw", "sgd"],
                         help="adamw (default), or SGD with Nesterov momentum 0.9 to compare (give --peak-lr)")
@@ -378,13 +388,14 @@ def parse_args(argv=None):
                         help="drop earlier results in --out (default: keep the runs this invocation does not redo)")
     args = parser.parse_args(argv)
     config = QUICK if args.quick else FULL
-    overrides = {"steps": args.steps, "peak_lr": args.peak_lr, "optimizer": args.optimizer}
+    overrides = {"steps": args.steps, "batch_per_rank": args.batch_per_rank, "peak_lr": args.peak_lr,
+                 "optimizer": args.optimizer}
     args.config = Config(**{**asdict(config), **{k: v for k, v in overrides.items() if v is not None}})
     if args.quick:
         args.seeds = args.seeds or [0]
         args.codecs = args.codecs or QUICK_SPECS
     for spec in args.codecs or []:
-        gradcomp.codec(spec)  # a clear error for a bad spec, before any rank starts
+        check_spec(spec)
     return args
 
 

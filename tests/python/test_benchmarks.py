@@ -174,3 +174,44 @@ def test_lm_ngram_baselines_match_hand_counts():
     assert math.isclose(baselines["unigram_loss"], expected, rel_tol=1e-9)
     # Every pair the validation split holds was seen; interpolation with the unigram can only cost.
     assert baselines["bigram_ppl"] < baselines["unigram_ppl"]
+
+
+def test_lm_variants_block_sign_scales_each_block_by_its_mean_magnitude():
+    variants = load_benchmark("lm_variants.py")
+    m = torch.tensor([1.0, -3.0, 2.0, -2.0, 0.0, 5.0, -0.5])
+    # blocks [1, -3], [2, -2], [0, 5], [-0.5]: means 2, 2, 2.5, 0.5; zero decodes to +scale
+    expected = torch.tensor([2.0, -2.0, 2.0, -2.0, 2.5, 2.5, -0.5])
+    assert torch.equal(variants.block_sign_decoded(m, 2), expected)
+    whole = m.abs().mean()
+    assert torch.allclose(variants.block_sign_decoded(m, 7), torch.where(m >= 0, whole, -whole))
+    with pytest.raises(ValueError, match="unknown option.*blocks.*valid: block, error_feedback"):
+        variants.check_spec("blocksign:blocks=4")
+
+
+def test_lm_variants_block_sign_with_one_block_trains_as_signsgd_does(tmp_path):
+    # The pure-PyTorch stand-in with a block larger than any bucket is gradcomp's signsgd; both runs must agree.
+    run_script(BENCHMARKS / "lm_variants.py", "--quick", "--codecs", "signsgd", "blocksign:block=1000000000",
+               "--out", tmp_path)
+    rows = {row["spec"]: row for row in json.loads((tmp_path / "lm_quick.json").read_text())["summary"]}
+    signsgd, stand_in = rows["signsgd"], rows["blocksign:block=1000000000"]
+    assert math.isclose(stand_in["ppl_mean"], signsgd["ppl_mean"], rel_tol=1e-3)
+    assert math.isclose(stand_in["ratio"], signsgd["ratio"], rel_tol=1e-2)
+
+
+def test_lm_variants_frozen_variance_adamw_is_adamw_until_it_freezes():
+    variants = load_benchmark("lm_variants.py")
+    torch.manual_seed(0)
+    start = torch.randn(4, 3)
+    ours, theirs = start.clone().requires_grad_(), start.clone().requires_grad_()
+    frozen = variants.FrozenVarianceAdamW([ours], lr=0.1, betas=(0.9, 0.95), weight_decay=0.1, freeze_after=3)
+    adamw = torch.optim.AdamW([theirs], lr=0.1, betas=(0.9, 0.95), weight_decay=0.1)
+    for step in range(6):
+        grad = torch.randn(4, 3)
+        ours.grad, theirs.grad = grad.clone(), grad.clone()
+        frozen.step()
+        adamw.step()
+        if step < 3:
+            assert torch.allclose(ours, theirs, atol=1e-6)
+            variance = frozen.state[ours]["v"].clone()
+    assert not torch.allclose(ours, theirs, atol=1e-4)
+    assert torch.equal(frozen.state[ours]["v"], variance)  # the second moment of step 3, kept

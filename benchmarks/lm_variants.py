@@ -1,0 +1,177 @@
+"""lm.py's benchmark with variants gradcomp does not ship, written in plain PyTorch: a fix is tried here before
+it is built into a codec.
+
+    python benchmarks/lm_variants.py --codecs blocksign:block=256 --seeds 0 --out DIR   # any of lm.py's options
+    python benchmarks/lm_variants.py --freeze-variance-after 240 --codecs none topk:ratio=0.01 --out DIR
+
+blocksign:block=B[,error_feedback=0]: signsgd with one scale, the mean |m| of its block, per block of B elements
+    of the bucket (gradcomp's signsgd has one per bucket); m = gradient + residual. Every rank's decoded tensor
+    is averaged by one allreduce, the arithmetic that signsgd's allgather of payloads gives; the bytes counted
+    are what such a payload would be (header, ceil(n / 8) sign bytes, one fp32 per block) under the allgather
+    scheme. Like gradcomp's hook it starts after 2 steps of plain allreduce (DDP rebuilds its buckets at step 0).
+--freeze-variance-after N: 1-bit Adam's recipe. N steps of plain allreduce (the hook's start_iter), then AdamW's
+    second moment stops changing, so that its step becomes linear in the gradient; every codec applies.
+
+Specs other than blocksign go to gradcomp as in lm.py. Results are lm.{json,csv,png} in --out: give a folder of
+their own, not benchmarks/results.
+"""
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import lm  # noqa: E402
+
+import gradcomp  # noqa: E402
+from gradcomp.codecs import HEADER_BYTES  # noqa: E402
+
+PLAIN_STEPS = 2  # gradcomp.register's default start_iter
+
+# Read at import: under mp.spawn every rank imports this file again, so what it sets below holds in the ranks too.
+FREEZE_ENV = "GRADCOMP_LM_FREEZE_VARIANCE_AFTER"
+
+
+class BlockSignState:
+    """Per-bucket residuals and byte counts, with the part of CompressionState's interface lm.train_one reads."""
+
+    def __init__(self, spec: str, block: int, error_feedback: bool, world: int):
+        self.spec, self.block, self.error_feedback, self.world = spec, block, error_feedback, world
+        self.residuals: dict[int, torch.Tensor] = {}
+        self.steps_seen: dict[int, int] = {}
+        self.raw_bytes = self.wire_bytes = 0
+
+    def stats(self) -> dict:
+        return {"total": {"raw_bytes": self.raw_bytes, "wire_bytes": self.wire_bytes}, "schemes": {}}
+
+
+def ring_allreduce_bytes(nbytes: int, world: int) -> int:
+    return 2 * (world - 1) * nbytes // world
+
+
+def block_sign_decoded(m: torch.Tensor, block: int) -> torch.Tensor:
+    """sign(m) times its block's mean |m| (the last block may be short); m >= 0 decodes to +scale."""
+    n = m.numel()
+    blocks = -(-n // block)
+    padded = torch.cat([m, m.new_zeros(blocks * block - n)]).view(blocks, block)
+    lengths = torch.full((blocks, 1), float(block), dtype=m.dtype)
+    lengths[-1] = n - (blocks - 1) * block
+    scale = padded.abs().sum(1, keepdim=True) / lengths
+    return torch.where(padded >= 0, scale, -scale).flatten()[:n]
+
+
+def block_sign_hook(state: BlockSignState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    grad = bucket.buffer()
+    n, index = grad.numel(), bucket.index()
+    state.steps_seen[index] = state.steps_seen.get(index, 0) + 1
+    raw = ring_allreduce_bytes(grad.numel() * grad.element_size(), state.world)
+    state.raw_bytes += raw
+    if state.steps_seen[index] <= PLAIN_STEPS:
+        state.wire_bytes += raw
+        grad.div_(state.world)
+        return dist.all_reduce(grad, async_op=True).get_future().then(lambda fut: fut.value()[0])
+    residual = state.residuals.get(index)
+    if residual is None or residual.numel() != n:
+        residual = state.residuals[index] = torch.zeros_like(grad)
+    m = grad + residual if state.error_feedback else grad.clone()
+    decoded = block_sign_decoded(m, min(state.block, n))
+    if state.error_feedback:
+        residual.copy_(m - decoded)
+    payload = -(-(HEADER_BYTES + 4 * -(-n // state.block) + -(-n // 8)) // 16) * 16
+    state.wire_bytes += (state.world - 1) * payload  # every rank's payload to every other rank
+    grad.copy_(decoded.div_(state.world))
+    return dist.all_reduce(grad, async_op=True).get_future().then(lambda fut: fut.value()[0])
+
+
+def parse_block_sign(spec: str) -> tuple[int, bool]:
+    options = dict(kv.split("=", 1) for kv in spec.partition(":")[2].split(",") if kv)
+    unknown = set(options) - {"block", "error_feedback"}
+    if unknown:
+        raise ValueError(f"blocksign: unknown option(s) {sorted(unknown)}; valid: block, error_feedback")
+    block = int(options.get("block", 256))
+    if block < 1:
+        raise ValueError(f"blocksign: block must be at least 1, got {block}")
+    return block, options.get("error_feedback", "1") not in ("0", "False", "false")
+
+
+def register_codec(ddp, spec: str, scheme: str):
+    if not spec.startswith("blocksign"):
+        return gradcomp.register(ddp, spec, scheme=scheme, start_iter=max(FREEZE_AFTER, PLAIN_STEPS))
+    block, error_feedback = parse_block_sign(spec)
+    state = BlockSignState(spec, block, error_feedback, dist.get_world_size())
+    ddp.register_comm_hook(state, block_sign_hook)
+    return state
+
+
+def check_spec(spec: str) -> None:
+    if spec.startswith("blocksign"):
+        parse_block_sign(spec)
+    else:
+        gradcomp.codec(spec)
+
+
+class FrozenVarianceAdamW(torch.optim.Optimizer):
+    """torch's AdamW (decoupled weight decay, bias-corrected moments) whose second moment, and its bias
+    correction, stop changing after `freeze_after` steps."""
+
+    def __init__(self, params, lr: float, betas: tuple[float, float], weight_decay: float = 0.0,
+                 eps: float = 1e-8, freeze_after: int = 0):
+        super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay, eps=eps))
+        self.freeze_after = freeze_after
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state.update(step=0, variance_steps=0, m=torch.zeros_like(p), v=torch.zeros_like(p))
+                state["step"] += 1
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                state["m"].mul_(beta1).add_(p.grad, alpha=1 - beta1)
+                if state["step"] <= self.freeze_after:
+                    state["v"].mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+                    state["variance_steps"] = state["step"]
+                m_hat = state["m"] / (1 - beta1 ** state["step"])
+                v_hat = state["v"] / (1 - beta2 ** state["variance_steps"])
+                p.addcdiv_(m_hat, v_hat.sqrt_().add_(group["eps"]), value=-group["lr"])
+
+
+def make_optimizer(model, config: lm.Config) -> torch.optim.Optimizer:
+    if not FREEZE_AFTER:
+        return ADAMW_OR_SGD(model, config)
+    if config.optimizer != "adamw":
+        raise ValueError(f"--freeze-variance-after applies to adamw, not {config.optimizer!r}")
+    decayed = [p for p in model.parameters() if p.dim() >= 2]
+    others = [p for p in model.parameters() if p.dim() < 2]
+    return FrozenVarianceAdamW([{"params": decayed, "weight_decay": config.weight_decay},
+                                {"params": others, "weight_decay": 0.0}],
+                               lr=config.peak_lr, betas=(0.9, 0.95), freeze_after=FREEZE_AFTER)
+
+
+FREEZE_AFTER = int(os.environ.get(FREEZE_ENV, "0"))
+ADAMW_OR_SGD = lm.make_optimizer
+lm.register_codec, lm.check_spec, lm.make_optimizer = register_codec, check_spec, make_optimizer
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--freeze-variance-after", type=int, default=0)
+    known, rest = parser.parse_known_args()
+    if known.freeze_variance_after < 0:
+        raise SystemExit(f"--freeze-variance-after must be >= 0, got {known.freeze_variance_after}")
+    os.environ[FREEZE_ENV] = str(known.freeze_variance_after)
+    globals()["FREEZE_AFTER"] = known.freeze_variance_after
+    if "--out" not in rest and not any(a.startswith("--out=") for a in rest):
+        raise SystemExit("lm_variants.py: give --out DIR (a folder of its own, not benchmarks/results)")
+    lm.main(rest)
+
+
+if __name__ == "__main__":
+    main()
