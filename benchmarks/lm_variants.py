@@ -31,15 +31,17 @@ from gradcomp.codecs import HEADER_BYTES  # noqa: E402
 
 PLAIN_STEPS = 2  # gradcomp.register's default start_iter
 
-# Read at import: under mp.spawn every rank imports this file again, so what it sets below holds in the ranks too.
 FREEZE_ENV = "GRADCOMP_LM_FREEZE_VARIANCE_AFTER"
+# Read at import: under mp.spawn every rank imports this file again, so main's setting reaches the ranks too.
+FREEZE_AFTER = int(os.environ.get(FREEZE_ENV, "0"))
 
 
 class BlockSignState:
     """Per-bucket residuals and byte counts, with the part of CompressionState's interface lm.train_one reads."""
 
-    def __init__(self, spec: str, block: int, error_feedback: bool, world: int):
+    def __init__(self, spec: str, block: int, error_feedback: bool, world: int, plain_steps: int):
         self.spec, self.block, self.error_feedback, self.world = spec, block, error_feedback, world
+        self.plain_steps = plain_steps
         self.residuals: dict[int, torch.Tensor] = {}
         self.steps_seen: dict[int, int] = {}
         self.raw_bytes = self.wire_bytes = 0
@@ -69,7 +71,7 @@ def block_sign_hook(state: BlockSignState, bucket: dist.GradBucket) -> torch.fut
     state.steps_seen[index] = state.steps_seen.get(index, 0) + 1
     raw = ring_allreduce_bytes(grad.numel() * grad.element_size(), state.world)
     state.raw_bytes += raw
-    if state.steps_seen[index] <= PLAIN_STEPS:
+    if state.steps_seen[index] <= state.plain_steps:
         state.wire_bytes += raw
         grad.div_(state.world)
         return dist.all_reduce(grad, async_op=True).get_future().then(lambda fut: fut.value()[0])
@@ -98,10 +100,11 @@ def parse_block_sign(spec: str) -> tuple[int, bool]:
 
 
 def register_codec(ddp, spec: str, scheme: str):
+    plain_steps = max(FREEZE_AFTER, PLAIN_STEPS)
     if not spec.startswith("blocksign"):
-        return gradcomp.register(ddp, spec, scheme=scheme, start_iter=max(FREEZE_AFTER, PLAIN_STEPS))
+        return gradcomp.register(ddp, spec, scheme=scheme, start_iter=plain_steps)
     block, error_feedback = parse_block_sign(spec)
-    state = BlockSignState(spec, block, error_feedback, dist.get_world_size())
+    state = BlockSignState(spec, block, error_feedback, dist.get_world_size(), plain_steps)
     ddp.register_comm_hook(state, block_sign_hook)
     return state
 
@@ -146,8 +149,6 @@ class FrozenVarianceAdamW(torch.optim.Optimizer):
 def make_optimizer(model, config: lm.Config) -> torch.optim.Optimizer:
     if not FREEZE_AFTER:
         return ADAMW_OR_SGD(model, config)
-    if config.optimizer != "adamw":
-        raise ValueError(f"--freeze-variance-after applies to adamw, not {config.optimizer!r}")
     decayed = [p for p in model.parameters() if p.dim() >= 2]
     others = [p for p in model.parameters() if p.dim() < 2]
     return FrozenVarianceAdamW([{"params": decayed, "weight_decay": config.weight_decay},
@@ -155,19 +156,22 @@ def make_optimizer(model, config: lm.Config) -> torch.optim.Optimizer:
                                lr=config.peak_lr, betas=(0.9, 0.95), freeze_after=FREEZE_AFTER)
 
 
-FREEZE_AFTER = int(os.environ.get(FREEZE_ENV, "0"))
 ADAMW_OR_SGD = lm.make_optimizer
+# lm.train_one and lm.parse_args look these up in lm's globals when they run, in every rank.
 lm.register_codec, lm.check_spec, lm.make_optimizer = register_codec, check_spec, make_optimizer
 
 
 def main() -> None:
+    global FREEZE_AFTER
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--freeze-variance-after", type=int, default=0)
     known, rest = parser.parse_known_args()
     if known.freeze_variance_after < 0:
         raise SystemExit(f"--freeze-variance-after must be >= 0, got {known.freeze_variance_after}")
+    if known.freeze_variance_after and lm.parse_args(rest).config.optimizer != "adamw":
+        raise SystemExit("--freeze-variance-after applies to AdamW, not to --optimizer sgd")
     os.environ[FREEZE_ENV] = str(known.freeze_variance_after)
-    globals()["FREEZE_AFTER"] = known.freeze_variance_after
+    FREEZE_AFTER = known.freeze_variance_after
     if "--out" not in rest and not any(a.startswith("--out=") for a in rest):
         raise SystemExit("lm_variants.py: give --out DIR (a folder of its own, not benchmarks/results)")
     lm.main(rest)
