@@ -17,6 +17,7 @@ their own, not benchmarks/results.
 """
 
 import argparse
+import json
 import os
 import sys
 
@@ -168,13 +169,21 @@ def main() -> None:
     known, rest = parser.parse_known_args()
     if known.freeze_variance_after < 0:
         raise SystemExit(f"--freeze-variance-after must be >= 0, got {known.freeze_variance_after}")
-    if known.freeze_variance_after and lm.parse_args(rest).config.optimizer != "adamw":
+    args = lm.parse_args(rest)
+    if known.freeze_variance_after and args.config.optimizer != "adamw":
         raise SystemExit("--freeze-variance-after applies to AdamW, not to --optimizer sgd")
     os.environ[FREEZE_ENV] = str(known.freeze_variance_after)
     FREEZE_AFTER = known.freeze_variance_after
     if "--out" not in rest and not any(a.startswith("--out=") for a in rest):
         raise SystemExit("lm_variants.py: give --out DIR (a folder of its own, not benchmarks/results)")
     lm.main(rest)
+    if not args.replot:  # the report says which variant ran
+        path = os.path.join(args.out, "lm" + ("_quick" if args.quick else "") + ".json")
+        with open(path) as f:
+            report = json.load(f)
+        report["variants"] = {"freeze_variance_after": FREEZE_AFTER, "plain_steps": max(FREEZE_AFTER, PLAIN_STEPS)}
+        with open(path, "w") as f:
+            json.dump(report, f, indent=1)
 
 
 if __name__ == "__main__":
