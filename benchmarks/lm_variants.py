@@ -28,7 +28,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import lm  # noqa: E402
 
 import gradcomp  # noqa: E402
-from gradcomp.codecs import HEADER_BYTES  # noqa: E402
+from gradcomp._ops import _C  # noqa: E402
+from gradcomp.schemes.base import ring_allreduce_bytes  # noqa: E402
 
 PLAIN_STEPS = 2  # gradcomp.register's default start_iter
 
@@ -51,10 +52,6 @@ class BlockSignState:
         return {"total": {"raw_bytes": self.raw_bytes, "wire_bytes": self.wire_bytes}, "schemes": {}}
 
 
-def ring_allreduce_bytes(nbytes: int, world: int) -> int:
-    return 2 * (world - 1) * nbytes // world
-
-
 def block_sign_decoded(m: torch.Tensor, block: int) -> torch.Tensor:
     """sign(m) times its block's mean |m| (the last block may be short); m >= 0 decodes to +scale."""
     n = m.numel()
@@ -70,22 +67,25 @@ def block_sign_hook(state: BlockSignState, bucket: dist.GradBucket) -> torch.fut
     grad = bucket.buffer()
     n, index = grad.numel(), bucket.index()
     state.steps_seen[index] = state.steps_seen.get(index, 0) + 1
-    raw = ring_allreduce_bytes(grad.numel() * grad.element_size(), state.world)
+    raw = ring_allreduce_bytes(n * grad.element_size(), state.world)
     state.raw_bytes += raw
     if state.steps_seen[index] <= state.plain_steps:
         state.wire_bytes += raw
-        grad.div_(state.world)
-        return dist.all_reduce(grad, async_op=True).get_future().then(lambda fut: fut.value()[0])
-    residual = state.residuals.get(index)
-    if residual is None or residual.numel() != n:
-        residual = state.residuals[index] = torch.zeros_like(grad)
-    m = grad + residual if state.error_feedback else grad.clone()
-    decoded = block_sign_decoded(m, min(state.block, n))
-    if state.error_feedback:
-        residual.copy_(m - decoded)
-    payload = -(-(HEADER_BYTES + 4 * -(-n // state.block) + -(-n // 8)) // 16) * 16
-    state.wire_bytes += (state.world - 1) * payload  # every rank's payload to every other rank
-    grad.copy_(decoded.div_(state.world))
+    else:
+        m = grad
+        if state.error_feedback:
+            residual = state.residuals.get(index)
+            if residual is None or residual.numel() != n:  # DDP rebuilt its buckets
+                residual = state.residuals[index] = torch.zeros_like(grad)
+            m = grad + residual
+        decoded = block_sign_decoded(m, min(state.block, n))
+        if state.error_feedback:
+            residual.copy_(m - decoded)
+        body = 4 * -(-n // state.block) + -(-n // 8)  # the scales, then the sign bits
+        payload = -(-(_C.header_bytes + body) // _C.payload_align) * _C.payload_align
+        state.wire_bytes += (state.world - 1) * payload  # every rank's payload to every other rank
+        grad.copy_(decoded)
+    grad.div_(state.world)
     return dist.all_reduce(grad, async_op=True).get_future().then(lambda fut: fut.value()[0])
 
 
