@@ -69,7 +69,8 @@ CODEC_SPECS = (
     "topk:ratio=0.01", "topk:ratio=0.001", "randomk:ratio=0.01", "powersgd:rank=4",
 )
 # The reference's keyword arguments that carry a codec's two wire parameters (wire_params).
-REFERENCE_WIRE_KEYWORDS = {"topk": ("k",), "randomk": ("k",), "qsgd": ("levels", "block")}
+# None: a wire parameter the codec leaves at 0.
+REFERENCE_WIRE_KEYWORDS = {"topk": ("k",), "randomk": ("k",), "qsgd": ("levels", "block"), "signsgd": (None, "block")}
 
 
 # --------------------------------------------------------------------------------------- timing
@@ -193,7 +194,8 @@ def load_reference() -> tuple[ModuleType | None, str]:
 
 def reference_keywords(codec: gradcomp.PayloadCodec, numel: int) -> dict:
     """The codec's parameters as ref_encode's keyword arguments."""
-    wire = dict(zip(REFERENCE_WIRE_KEYWORDS.get(codec.name, ()), codec.wire_params(numel)))
+    wire = {key: value for key, value in zip(REFERENCE_WIRE_KEYWORDS.get(codec.name, ()), codec.wire_params(numel))
+            if key is not None}
     return {**wire, "seed": codec.seed}
 
 

@@ -5,7 +5,8 @@ it is built into a codec.
     python benchmarks/lm_variants.py --freeze-variance-after 240 --codecs none topk:ratio=0.01 --out DIR
 
 blocksign:block=B[,error_feedback=0]: signsgd with one scale, the mean |m| of its block, per block of B elements
-    of the bucket (gradcomp's signsgd has one per bucket); m = gradient + residual. Every rank's decoded tensor
+    of the bucket; m = gradient + residual. It measured the fix before gradcomp's signsgd had its block option,
+    and stays as an independent check of that codec in training. Every rank's decoded tensor
     is averaged by one allreduce, the arithmetic that signsgd's allgather of payloads gives; the bytes counted
     are what such a payload would be (header, ceil(n / 8) sign bytes, one fp32 per block) under the allgather
     scheme. Like gradcomp's hook it starts after 2 steps of plain allreduce (DDP rebuilds its buckets at step 0).

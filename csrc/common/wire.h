@@ -8,7 +8,7 @@
 //        7     1  reserved, 0
 //        8     8  element count n (int64)
 //       16     8  param0: k for topk/randomk, levels s for qsgd, else 0
-//       24     8  param1: block for qsgd, else 0
+//       24     8  param1: block for qsgd and signsgd, else 0
 //       32     8  seed (uint64)
 //       40     4  step (uint32)
 //       44     4  bucket (uint32)
@@ -67,7 +67,7 @@ GC_HD int qsgd_code_bits(int64_t levels) {
 
 // Byte offsets of a codec's fields from the start of the payload.
 struct BodyLayout {
-  int64_t scales = kHeaderBytes;  // signsgd/terngrad: one fp32 scale; qsgd: one fp32 norm per block
+  int64_t scales = kHeaderBytes;  // terngrad: one fp32 scale; signsgd: one per block; qsgd: one fp32 norm per block
   int64_t codes = kHeaderBytes;   // sign bits, ternary codes, qsgd codes, or topk int32 indices
   int64_t values = kHeaderBytes;  // dense values (none/fp16/bf16/randomk) or topk values
   int64_t end = kHeaderBytes;     // end of the body, before padding
@@ -83,7 +83,7 @@ GC_HD BodyLayout body_layout(const PayloadHeader& h) {
     case Codec::None: l.end = b + n * value_bytes; break;
     case Codec::Fp16:
     case Codec::Bf16: l.end = b + n * 2; break;
-    case Codec::SignSGD: l.codes = b + 4; l.end = l.codes + ceil_div(n, 8); break;
+    case Codec::SignSGD: l.codes = b + 4 * ceil_div(n, h.param1); l.end = l.codes + ceil_div(n, 8); break;
     case Codec::TernGrad: l.codes = b + 4; l.end = l.codes + ceil_div(n, 4); break;
     case Codec::QSGD:
       l.codes = b + 4 * ceil_div(n, h.param1);
@@ -146,7 +146,8 @@ inline const char* header_problem(const PayloadHeader& h) {
   } else if (h.param0 != 0) {
     return "unexpected parameter for this codec";
   }
-  if (codec != Codec::QSGD && h.param1 != 0) return "unexpected parameter for this codec";
+  if (codec == Codec::SignSGD && (h.param1 < 1 || h.param1 > kMaxBlock)) return "signsgd block outside [1, 2^40]";
+  if (codec != Codec::QSGD && codec != Codec::SignSGD && h.param1 != 0) return "unexpected parameter for this codec";
   if ((codec == Codec::TernGrad || codec == Codec::QSGD) && h.numel > kMaxStochasticNumel)
     return "element count above 2^34 for a stochastic codec";
   if (h.numel > kMaxNumel) return "element count above 2^40";

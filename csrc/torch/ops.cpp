@@ -317,8 +317,9 @@ void decode_chunks(const at::Tensor& rows, at::Tensor& out, bool vote, c10::stri
   const DType dtype = wire_dtype(out, "out");
   for (int64_t j = 0; j < count; ++j) {
     const auto [begin, end] = chunk_range(out.numel(), count, j);
-    const int64_t size = body_layout(make_header(codec_named(codec), dtype, end - begin, param0s[j], param1,
-                                                 RandomKey{})).total;
+    const PayloadHeader expected = make_header(codec_named(codec), dtype, end - begin, param0s[j], param1, RandomKey{});
+    check_header(expected, codec);  // before body_layout, which divides by a block
+    const int64_t size = body_layout(expected).total;
     TORCH_CHECK_VALUE(size <= rows.size(1), "gradcomp: chunk ", j, "'s payload takes ", size,
                       " bytes, but the rows hold ", rows.size(1));
     at::Tensor chunk = out.narrow(0, begin, end - begin);

@@ -215,7 +215,7 @@ class PayloadCodec(Codec):
                      alpha: float, *, step: int = 0, bucket: int = 0, rank: int = 0,
                      status: torch.Tensor | None = None) -> torch.Tensor:
         """decode_sum(payloads, average, alpha), then the payload of average (+ residual). signsgd summing
-        signs re-encodes with the root mean square as its scale, not mean |m| (csrc/cpu/signsgd.cpp)."""
+        signs re-encodes with each block's root mean square as its scale, not mean |m| (csrc/cpu/signsgd.cpp)."""
         p0, p1 = self.wire_params(average.numel())
         return torch.ops.gradcomp.reencode_sum(payloads, average, residual, alpha, self.vote, self.name, p0, p1,
                                                self.seed, step, bucket, rank, status)
@@ -286,17 +286,23 @@ class Bf16(PayloadCodec):
         return torch.bfloat16
 
 
-@_register("signsgd", {"vote": False, "error_feedback": True},
-           "n sign bits + fp32 mean |g|; allgather, sum of scaled signs or majority vote")
+@_register("signsgd", {"vote": False, "block": 256, "error_feedback": True},
+           "n sign bits + fp32 mean |g| per block; allgather, sum of scaled signs or majority vote")
 class SignSGD(PayloadCodec):
-    def __init__(self, vote: bool = False, error_feedback: bool = True):
+    def __init__(self, vote: bool = False, block: int = 256, error_feedback: bool = True):
         if not isinstance(vote, bool):
             raise ValueError(f"signsgd: vote must be True or False, got {vote!r}")
-        super().__init__(error_feedback, vote=vote)
-        self.vote = vote
+        if isinstance(block, bool) or not isinstance(block, int):
+            raise ValueError(f"signsgd: block must be an integer, got block={block!r}")
+        _check_range("signsgd", "block", block, 1, _ops._C.max_block)
+        super().__init__(error_feedback, vote=vote, block=block)
+        self.vote, self.block = vote, block
+
+    def wire_params(self, numel):
+        return 0, self.block
 
     def magnitude_fields(self, payloads, numel, dtype):
-        return _float_fields(payloads, HEADER_BYTES, 1, torch.float32)  # the scale, mean |m|
+        return _float_fields(payloads, HEADER_BYTES, -(-numel // self.block), torch.float32)  # the block scales
 
 
 @_register("terngrad", {"seed": 0, "error_feedback": False},

@@ -3,9 +3,12 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstring>
+#include <limits>
 #include <numeric>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "cpu/kernels.h"
@@ -142,7 +145,10 @@ TEST_P(EveryCodec, RandomBytesAfterAValidHeaderNeverEscapeTheOutput) {
 
 INSTANTIATE_TEST_SUITE_P(Codecs, EveryCodec,
                          ::testing::Values(CodecCase{Codec::None, 0, 0}, CodecCase{Codec::Fp16, 0, 0},
-                                           CodecCase{Codec::Bf16, 0, 0}, CodecCase{Codec::SignSGD, 0, 0},
+                                           CodecCase{Codec::Bf16, 0, 0}, CodecCase{Codec::SignSGD, 0, 256},
+                                           CodecCase{Codec::SignSGD, 0, 100}, CodecCase{Codec::SignSGD, 0, 7},
+                                           CodecCase{Codec::SignSGD, 0, 1},
+                                           CodecCase{Codec::SignSGD, 0, kMaxBlock},  // one block, larger than n
                                            CodecCase{Codec::TernGrad, 0, 0}, CodecCase{Codec::QSGD, 15, 100},
                                            CodecCase{Codec::QSGD, 1, 7}, CodecCase{Codec::QSGD, 32767, 4096},
                                            CodecCase{Codec::TopK, 17, 0}, CodecCase{Codec::RandomK, 17, 0}),
@@ -220,8 +226,8 @@ TEST(TopK, RefusesOutOfRangeIndices) {
 
 TEST(Validate, RefusesPayloadsThatDisagree) {
   const int64_t n = 300;
-  const auto a = encode({Codec::SignSGD, 0, 0}, gaussian(n, 1), nullptr, 1);
-  const auto b = encode({Codec::SignSGD, 0, 0}, gaussian(n, 2), nullptr, 2);  // another step
+  const auto a = encode({Codec::SignSGD, 0, 256}, gaussian(n, 1), nullptr, 1);
+  const auto b = encode({Codec::SignSGD, 0, 256}, gaussian(n, 2), nullptr, 2);  // another step
   std::vector<uint8_t> stacked(a);
   stacked.insert(stacked.end(), b.begin(), b.end());
   EXPECT_NE(validate_payloads(stacked.data(), 2, a.size(), n, DType::F32), "");
@@ -232,7 +238,7 @@ TEST(SignSGD, MajorityVote) {
   std::vector<uint8_t> stacked;
   const float rows[3][4] = {{1, 1, -1, 1}, {2, -2, -2, 2}, {-3, 3, -3, 3}};
   for (const auto& row : rows) {
-    const auto p = encode({Codec::SignSGD, 0, 0}, std::vector<float>(row, row + 4), nullptr);
+    const auto p = encode({Codec::SignSGD, 0, 256}, std::vector<float>(row, row + 4), nullptr);
     stacked.insert(stacked.end(), p.begin(), p.end());
   }
   const auto out = decode(stacked, 3, 4, 1.0f / 3, true);
@@ -247,26 +253,239 @@ TEST(SignSGD, MajorityVote) {
 TEST(SignSGD, NormScaleIsTheRootMeanSquareAndKeepsTheRest) {
   const int64_t n = 1000;
   const auto grad = gaussian(n, 21);
-  std::vector<float> residual = gaussian(n, 22), old = residual;
-  EncodeArgs args;
-  args.header = make_header(Codec::SignSGD, DType::F32, n, 0, 0, RandomKey{});
-  args.grad = grad.data();
-  args.residual = residual.data();
-  args.norm_scale = true;
-  std::vector<uint8_t> payload(body_layout(args.header).total);
-  args.payload = payload.data();
-  encode_cpu(args);
-  long double squares = 0;  // the reference: m = grad + old, sqrt(mean m^2) in long double
-  for (int64_t i = 0; i < n; ++i) squares += static_cast<long double>(grad[i] + old[i]) * (grad[i] + old[i]);
-  const float expected = static_cast<float>(std::sqrt(static_cast<double>(squares / n)));
-  float scale;
-  std::memcpy(&scale, payload.data() + kHeaderBytes, sizeof scale);
-  EXPECT_EQ(scale, expected);
-  const auto decoded = decode(payload, 1, n);
-  for (int64_t i = 0; i < n; ++i) {
-    const float m = grad[i] + old[i];
-    ASSERT_EQ(decoded[i], m < 0 ? -expected : expected) << i;
-    ASSERT_EQ(residual[i], m - decoded[i]) << i;
+  const std::vector<float> old = gaussian(n, 22);
+  // One block for the bucket (block n and beyond), blocks with a short last one, tiny blocks.
+  for (const int64_t block : {n, kMaxBlock, int64_t{300}, int64_t{100}, int64_t{7}}) {
+    SCOPED_TRACE("block " + std::to_string(block));
+    std::vector<float> residual = old;
+    EncodeArgs args;
+    args.header = make_header(Codec::SignSGD, DType::F32, n, 0, block, RandomKey{});
+    args.grad = grad.data();
+    args.residual = residual.data();
+    args.norm_scale = true;
+    std::vector<uint8_t> payload(body_layout(args.header).total);
+    args.payload = payload.data();
+    encode_cpu(args);
+    // The reference: m = grad + old, sqrt(mean m^2) over each block in long double.
+    std::vector<float> expected;
+    for (int64_t begin = 0; begin < n; begin += block) {
+      const int64_t end = std::min(n, begin + block);
+      long double squares = 0;
+      for (int64_t i = begin; i < end; ++i) squares += static_cast<long double>(grad[i] + old[i]) * (grad[i] + old[i]);
+      expected.push_back(static_cast<float>(std::sqrt(static_cast<double>(squares / (end - begin)))));
+    }
+    ASSERT_EQ(static_cast<int64_t>(expected.size()), (n + block - 1) / block);
+    for (size_t b = 0; b < expected.size(); ++b) {
+      float scale;
+      std::memcpy(&scale, payload.data() + kHeaderBytes + 4 * b, sizeof scale);
+      EXPECT_EQ(scale, expected[b]) << "block index " << b;
+    }
+    const auto decoded = decode(payload, 1, n);
+    for (int64_t i = 0; i < n; ++i) {
+      const float m = grad[i] + old[i];
+      ASSERT_EQ(decoded[i], m < 0 ? -expected[i / block] : expected[i / block]) << i;
+      ASSERT_EQ(residual[i], m - decoded[i]) << i;
+    }
+  }
+}
+
+// Values on a grid of 2^-10, below 2^7 in magnitude, a tenth of them zeros: any sum of a few
+// thousand of their magnitudes (and grad + residual of two of them) is exact, in whatever order, so
+// the reference means below need not follow the codec's summation order to be bit-exact.
+std::vector<float> dyadic(int64_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<float> x(n);
+  for (auto& v : x) {
+    const int steps = static_cast<int>(rng() % (1 << 18)) - (1 << 17);
+    v = rng() % 10 == 0 ? 0.0f : std::ldexp(static_cast<float>(steps), -10);
+  }
+  return x;
+}
+
+// The reference scales: per block of `block` elements (the last one what is left), the mean |m| in
+// double, rounded to fp32, by a plain loop.
+std::vector<float> mean_magnitudes(const std::vector<float>& m, int64_t block) {
+  std::vector<float> means;
+  const int64_t n = m.size();
+  for (int64_t begin = 0; begin < n; begin += block) {
+    const int64_t end = std::min(n, begin + block);
+    double total = 0;
+    for (int64_t i = begin; i < end; ++i) total += std::fabs(static_cast<double>(m[i]));
+    means.push_back(static_cast<float>(total / static_cast<double>(end - begin)));
+  }
+  return means;
+}
+
+// A signsgd payload's fp32 scales, read from the bytes after the header.
+std::vector<float> scales_of(const std::vector<uint8_t>& payload, int64_t blocks) {
+  std::vector<float> scales(blocks);
+  std::memcpy(scales.data(), payload.data() + kHeaderBytes, blocks * sizeof(float));
+  return scales;
+}
+
+int64_t padded(int64_t bytes) { return (bytes + 15) / 16 * 16; }
+
+TEST(SignSGD, EachBlockScaleIsTheMeanMagnitudeOfItsBlock) {
+  // 100 and 300 are not multiples of 8 (300 leaves a last block of 100), nor is 7 (a last block
+  // of 6); 128 is; 1 makes every element its own scale. 997 elements end inside a sign byte.
+  for (const int64_t block : {100, 300, 7, 128, 1}) {
+    for (const int64_t n : {1000, 997}) {
+      SCOPED_TRACE("block " + std::to_string(block) + ", n " + std::to_string(n));
+      const auto grad = dyadic(n, 31), old = dyadic(n, 32);
+      std::vector<float> m(n);
+      for (int64_t i = 0; i < n; ++i) m[i] = grad[i] + old[i];  // exact on the grid
+      const int64_t blocks = (n + block - 1) / block;
+      auto residual = old;
+      const auto payload = encode({Codec::SignSGD, 0, block}, grad, &residual);
+      ASSERT_EQ(static_cast<int64_t>(payload.size()), padded(kHeaderBytes + 4 * blocks + (n + 7) / 8));
+      const auto expected = mean_magnitudes(m, block);
+      ASSERT_EQ(static_cast<int64_t>(expected.size()), blocks);
+      const auto scales = scales_of(payload, blocks);
+      for (int64_t b = 0; b < blocks; ++b) EXPECT_EQ(scales[b], expected[b]) << "block index " << b;
+      const uint8_t* signs = payload.data() + kHeaderBytes + 4 * blocks;
+      const auto decoded = decode(payload, 1, n);
+      for (int64_t i = 0; i < n; ++i) {
+        ASSERT_EQ((signs[i / 8] >> (i % 8)) & 1, m[i] < 0 ? 0 : 1) << i;
+        const float want = m[i] < 0 ? -expected[i / block] : expected[i / block];
+        ASSERT_EQ(decoded[i], want) << i;
+        ASSERT_EQ(residual[i], m[i] - want) << i;
+        if (block == 1) ASSERT_EQ(decoded[i], m[i]) << i;  // |m| is its own mean
+      }
+      for (int64_t i = n; i % 8 != 0; ++i) ASSERT_EQ((signs[i / 8] >> (i % 8)) & 1, 0) << "bit past n: " << i;
+    }
+  }
+  const int64_t n = 1000;
+  {
+    // The short last block by hand: block 300 over 1000 elements, its last scale the mean of 100.
+    const auto m = dyadic(n, 35);
+    const auto payload = encode({Codec::SignSGD, 0, 300}, m, nullptr);
+    double last = 0;
+    for (int64_t i = 900; i < 1000; ++i) last += std::fabs(static_cast<double>(m[i]));
+    EXPECT_EQ(scales_of(payload, 4)[3], static_cast<float>(last / 100));
+    EXPECT_NE(scales_of(payload, 4)[3], static_cast<float>(last / 300));
+  }
+  // Gaussian values, against a long double reference.
+  const auto g = gaussian(n, 33);
+  for (const int64_t block : {100, 300}) {
+    const auto payload = encode({Codec::SignSGD, 0, block}, g, nullptr);
+    const auto scales = scales_of(payload, (n + block - 1) / block);
+    for (int64_t begin = 0, b = 0; begin < n; begin += block, ++b) {
+      const int64_t end = std::min(n, begin + block);
+      long double total = 0;
+      for (int64_t i = begin; i < end; ++i) total += std::fabs(static_cast<long double>(g[i]));
+      EXPECT_EQ(scales[b], static_cast<float>(static_cast<double>(total / (end - begin)))) << block << " " << b;
+    }
+  }
+}
+
+TEST(SignSGD, DecodeSumAddsAlphaTimesEachPayloadsBlockScale) {
+  const int64_t n = 1000;
+  const float alpha = 0.3f;
+  const std::vector<std::vector<float>> grads = {dyadic(n, 41), dyadic(n, 42)};
+  for (const int64_t block : {100, 300, 7, 256}) {
+    SCOPED_TRACE("block " + std::to_string(block));
+    std::vector<uint8_t> stacked;
+    for (uint32_t rank = 0; rank < 2; ++rank) {
+      const auto payload = encode({Codec::SignSGD, 0, block}, grads[rank], nullptr, 4, rank);
+      stacked.insert(stacked.end(), payload.begin(), payload.end());
+    }
+    const auto out = decode(stacked, 2, n, alpha);
+    const auto s0 = mean_magnitudes(grads[0], block), s1 = mean_magnitudes(grads[1], block);
+    for (int64_t i = 0; i < n; ++i) {
+      const float t0 = alpha * s0[i / block], t1 = alpha * s1[i / block];
+      float want = 0.0f;
+      want += grads[0][i] < 0 ? -t0 : t0;  // payload 0, then payload 1
+      want += grads[1][i] < 0 ? -t1 : t1;
+      ASSERT_EQ(out[i], want) << i;
+    }
+  }
+}
+
+TEST(SignSGD, VoteMagnitudeSumsEachPayloadsBlockScale) {
+  const int64_t n = 1000;
+  const float alpha = 1.0f / 3;
+  for (const int64_t count : {2, 3}) {
+    std::vector<std::vector<float>> grads;
+    for (int64_t p = 0; p < count; ++p) grads.push_back(dyadic(n, 50 + p));
+    for (const int64_t block : {100, 300, 7}) {
+      SCOPED_TRACE("block " + std::to_string(block) + ", " + std::to_string(count) + " payloads");
+      std::vector<uint8_t> stacked;
+      std::vector<std::vector<float>> scales;
+      for (int64_t p = 0; p < count; ++p) {
+        const auto payload = encode({Codec::SignSGD, 0, block}, grads[p], nullptr, 9, p);
+        stacked.insert(stacked.end(), payload.begin(), payload.end());
+        scales.push_back(mean_magnitudes(grads[p], block));
+      }
+      const auto out = decode(stacked, count, n, alpha, true);
+      int ties = 0;
+      for (int64_t i = 0; i < n; ++i) {
+        float magnitude = 0.0f;  // alpha * scale of each payload, added in payload order from +0
+        int votes = 0;
+        for (int64_t p = 0; p < count; ++p) {
+          magnitude += alpha * scales[p][i / block];
+          votes += grads[p][i] < 0 ? -1 : 1;
+        }
+        const float want = votes > 0 ? magnitude : votes < 0 ? -magnitude : 0.0f;
+        ASSERT_EQ(out[i], want) << i;
+        if (votes == 0) {
+          ASSERT_FALSE(std::signbit(out[i])) << "a tie is +0, element " << i;
+          ++ties;
+        }
+      }
+      if (count == 2) EXPECT_GT(ties, 100);
+    }
+  }
+}
+
+TEST(SignSGD, HeaderBlockMustBeWithinOneAndTwoToThe40) {
+  for (const int64_t numel : {0, 1, 1000}) {
+    for (const int64_t block : {int64_t{0}, int64_t{-1}, int64_t{-256}, kMaxBlock + 1, (int64_t{1} << 40) + 1,
+                                std::numeric_limits<int64_t>::max(), std::numeric_limits<int64_t>::min()})
+      EXPECT_NE(header_problem(make_header(Codec::SignSGD, DType::F32, numel, 0, block, RandomKey{})), nullptr)
+          << "numel " << numel << ", block " << block;
+    for (const int64_t block : {int64_t{1}, int64_t{7}, int64_t{256}, int64_t{1000}, int64_t{1001}, kMaxBlock})
+      EXPECT_EQ(header_problem(make_header(Codec::SignSGD, DType::BF16, numel, 0, block, RandomKey{})), nullptr)
+          << "numel " << numel << ", block " << block;
+    EXPECT_NE(header_problem(make_header(Codec::SignSGD, DType::F32, numel, 1, 256, RandomKey{})), nullptr);
+  }
+  EXPECT_EQ(kMaxBlock, int64_t{1} << 40);
+  // A payload whose block is rewritten out of range is refused before any layout is computed from it.
+  const int64_t n = 1000;
+  const auto payload = encode({Codec::SignSGD, 0, 256}, gaussian(n, 7), nullptr);
+  ASSERT_EQ(validate_payloads(payload.data(), 1, payload.size(), n, DType::F32), "");
+  for (const int64_t bad : {int64_t{0}, (int64_t{1} << 40) + 1, int64_t{-1}}) {
+    auto corrupted = payload;
+    std::memcpy(corrupted.data() + offsetof(PayloadHeader, param1), &bad, sizeof bad);
+    EXPECT_NE(validate_payloads(corrupted.data(), 1, corrupted.size(), n, DType::F32), "") << bad;
+  }
+}
+
+TEST(SignSGD, ABlockOfAtLeastNIsOneScaleForTheBucket) {
+  const int64_t n = 1000;
+  const auto grad = dyadic(n, 61);
+  double total = 0;
+  for (float v : grad) total += std::fabs(static_cast<double>(v));
+  const float expected = static_cast<float>(total / n);
+  std::vector<uint8_t> first;
+  // 9000 and 70000 take the large-block paths of the encoder, beyond its fused one.
+  for (const int64_t block : {n, n + 1, int64_t{4096}, int64_t{9000}, int64_t{70000}, kMaxBlock}) {
+    SCOPED_TRACE("block " + std::to_string(block));
+    auto payload = encode({Codec::SignSGD, 0, block}, grad, nullptr);
+    ASSERT_EQ(static_cast<int64_t>(payload.size()), padded(kHeaderBytes + 4 + 125));
+    EXPECT_EQ(scales_of(payload, 1)[0], expected);
+    const auto decoded = decode(payload, 1, n, 0.5f);
+    for (int64_t i = 0; i < n; ++i) ASSERT_EQ(decoded[i], grad[i] < 0 ? -(0.5f * expected) : 0.5f * expected) << i;
+    std::memset(payload.data() + offsetof(PayloadHeader, param1), 0, sizeof(int64_t));
+    if (first.empty()) first = payload;
+    EXPECT_EQ(payload, first) << "the bytes differ beyond the header's block";
+  }
+  // Gaussian values: the mean |m| of the whole bucket, against a long double reference.
+  const auto g = gaussian(n, 62);
+  long double magnitudes = 0;
+  for (float v : g) magnitudes += std::fabs(static_cast<long double>(v));
+  for (const int64_t block : {n, kMaxBlock}) {
+    const auto payload = encode({Codec::SignSGD, 0, block}, g, nullptr);
+    EXPECT_EQ(scales_of(payload, 1)[0], static_cast<float>(static_cast<double>(magnitudes / n))) << block;
   }
 }
 

@@ -235,7 +235,12 @@ TEST(Wire, HeaderIsPackedAndLayoutsAreExact) {
   EXPECT_EQ(total(Codec::None, DType::F32, 0, 0), pad(48 + 4000));
   EXPECT_EQ(total(Codec::None, DType::BF16, 0, 0), pad(48 + 2000));
   EXPECT_EQ(total(Codec::Fp16, DType::F32, 0, 0), pad(48 + 2000));
-  EXPECT_EQ(total(Codec::SignSGD, DType::F32, 0, 0), pad(48 + 4 + 125));
+  EXPECT_EQ(total(Codec::SignSGD, DType::F32, 0, 256), pad(48 + 4 * 4 + 125));   // one fp32 scale per block
+  EXPECT_EQ(total(Codec::SignSGD, DType::F32, 0, 100), pad(48 + 10 * 4 + 125));
+  EXPECT_EQ(total(Codec::SignSGD, DType::BF16, 0, 7), pad(48 + 143 * 4 + 125));  // a last block of 6
+  EXPECT_EQ(total(Codec::SignSGD, DType::F32, 0, 1), pad(48 + 1000 * 4 + 125));
+  EXPECT_EQ(total(Codec::SignSGD, DType::F32, 0, 1000), pad(48 + 4 + 125));      // one block for the bucket
+  EXPECT_EQ(total(Codec::SignSGD, DType::F32, 0, kMaxBlock), pad(48 + 4 + 125));
   EXPECT_EQ(total(Codec::TernGrad, DType::F32, 0, 0), pad(48 + 4 + 250));
   EXPECT_EQ(total(Codec::QSGD, DType::F32, 15, 512), pad(48 + 2 * 4 + 1000 * 5 / 8));
   EXPECT_EQ(total(Codec::QSGD, DType::F32, 16, 100), pad(48 + 10 * 4 + 1000 * 6 / 8));

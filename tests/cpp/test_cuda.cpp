@@ -65,7 +65,7 @@ struct Case {
 
 std::string name_of(const Case& c) {
   static const char* dtypes[] = {"f32", "f16", "bf16"};
-  const std::string params = c.param0 ? "_" + std::to_string(c.param0) + (c.param1 ? "_" + std::to_string(c.param1) : "") : "";
+  const std::string params = (c.param0 ? "_" + std::to_string(c.param0) : "") + (c.param1 ? "_" + std::to_string(c.param1) : "");
   return std::string(kCodecNames[static_cast<int>(c.codec)]) + params + "_" + dtypes[static_cast<int>(c.dtype)] + "_n" +
          std::to_string(c.numel) + (c.residual ? "_ef" : "");
 }
@@ -206,7 +206,9 @@ std::vector<Case> every_case() {
     Codec codec;
     int64_t param0, param1;
   } codecs[] = {{Codec::None, 0, 0},     {Codec::Fp16, 0, 0},   {Codec::Bf16, 0, 0},
-                {Codec::SignSGD, 0, 0},  {Codec::TernGrad, 0, 0}, {Codec::QSGD, 15, 512},
+                {Codec::SignSGD, 0, 256}, {Codec::SignSGD, 0, 100}, {Codec::SignSGD, 0, 7},
+                {Codec::SignSGD, 0, 9000}, {Codec::SignSGD, 0, kMaxBlock},  // the last: one block per bucket
+                {Codec::TernGrad, 0, 0}, {Codec::QSGD, 15, 512},
                 {Codec::QSGD, 3, 5000},  {Codec::QSGD, 1000, 64}, {Codec::TopK, 10, 0},
                 {Codec::TopK, 300, 0},   {Codec::RandomK, 10, 0}};
   std::vector<Case> cases;
@@ -217,7 +219,10 @@ std::vector<Case> every_case() {
           if (n > 0 || !residual) cases.push_back({codec.codec, codec.param0, codec.param1, dtype, n, residual});
   // Large enough for many blocks of every kernel and several topk tiles and digit passes.
   cases.push_back({Codec::TopK, 1, 0, DType::F32, 3000017, true});
-  cases.push_back({Codec::SignSGD, 0, 0, DType::BF16, 3000017, true});
+  cases.push_back({Codec::SignSGD, 0, 256, DType::BF16, 3000017, true});
+  cases.push_back({Codec::SignSGD, 0, 100, DType::F32, 3000017, true});
+  cases.push_back({Codec::SignSGD, 0, 100003, DType::F16, 3000017, true});  // blocks of many reduce chunks
+  cases.push_back({Codec::SignSGD, 0, kMaxBlock, DType::F32, 3000017, true});
   cases.push_back({Codec::QSGD, 127, 1 << 20, DType::F32, 3000017, true});
   return cases;
 }
@@ -230,15 +235,57 @@ TEST(CudaSignsgd, NormScaleIsTheSameBits) {
   REQUIRE_GPU();
   for (DType dtype : {DType::F32, DType::BF16})
     for (int64_t n : {int64_t{1}, int64_t{4097}, int64_t{3000017}})
-      for (bool residual : {false, true}) {
-        const Case c{Codec::SignSGD, 0, 0, dtype, n, residual};
-        const PayloadHeader h = make_header(Codec::SignSGD, dtype, n, 0, 0, RandomKey{});
-        const auto grad = values(dtype, n, 300), old = values(dtype, n, 400);
-        const Encoded cpu = encode_on_cpu(c, h, 0, grad, old, true);
-        const Encoded gpu = encode_on_gpu(c, h, 0, grad, old, true);
-        ASSERT_EQ(gpu.payload, cpu.payload) << name_of(c);
-        if (residual) ASSERT_EQ(gpu.residual, cpu.residual) << name_of(c);
+      for (int64_t block : {int64_t{100}, int64_t{256}, int64_t{70000}, kMaxBlock})
+        for (bool residual : {false, true}) {
+          const Case c{Codec::SignSGD, 0, block, dtype, n, residual};
+          const PayloadHeader h = make_header(Codec::SignSGD, dtype, n, 0, block, RandomKey{});
+          const auto grad = values(dtype, n, 300), old = values(dtype, n, 400);
+          const Encoded cpu = encode_on_cpu(c, h, 0, grad, old, true);
+          const Encoded gpu = encode_on_gpu(c, h, 0, grad, old, true);
+          ASSERT_EQ(gpu.payload, cpu.payload) << name_of(c);
+          if (residual) ASSERT_EQ(gpu.residual, cpu.residual) << name_of(c);
+        }
+}
+
+// Sum and vote of signsgd payloads with blocks of 100 (not a multiple of 8 or of a warp), against
+// the CPU and against values computed here from each payload's own scales and sign bits.
+TEST(CudaSignsgd, BlockOf100SumAndVote) {
+  REQUIRE_GPU();
+  const int64_t n = 1003, block = 100, blocks = 11, ranks = 3;
+  const Case c{Codec::SignSGD, 0, block, DType::F32, n, false};
+  const PayloadHeader h = make_header(Codec::SignSGD, DType::F32, n, 0, block, RandomKey{9, 1, 0, 0});
+  ASSERT_EQ(body_layout(h).codes, kHeaderBytes + 4 * blocks);
+  std::vector<uint8_t> stack;
+  for (uint32_t rank = 0; rank < ranks; ++rank) {
+    const auto grad = values(DType::F32, n, 500 + rank);
+    const Encoded gpu = encode_on_gpu(c, h, rank, grad, {});
+    ASSERT_EQ(gpu.payload, encode_on_cpu(c, h, rank, grad, {}).payload) << "rank " << rank;
+    stack.insert(stack.end(), gpu.payload.begin(), gpu.payload.end());
+  }
+  const int64_t stride = body_layout(h).total;
+  const float alpha = 0.25f;
+  for (bool vote : {false, true}) {
+    const auto [gpu, status] = decode_on_gpu(h, stack, ranks, alpha, vote);
+    EXPECT_EQ(status, 0u);
+    EXPECT_EQ(gpu, decode_on_cpu(h, stack, ranks, alpha, vote)) << (vote ? "vote" : "sum");
+    for (int64_t i = 0; i < n; ++i) {
+      float sum = 0.0f, magnitude = 0.0f;
+      int votes = 0;
+      for (int64_t p = 0; p < ranks; ++p) {
+        float scale;
+        std::memcpy(&scale, &stack[p * stride + kHeaderBytes + 4 * (i / block)], sizeof scale);
+        const bool positive = (stack[p * stride + kHeaderBytes + 4 * blocks + i / 8] >> (i % 8)) & 1;
+        const float t = alpha * scale;
+        sum += positive ? t : -t;
+        magnitude += t;
+        votes += positive ? 1 : -1;
       }
+      const float want = !vote ? sum : votes > 0 ? magnitude : votes < 0 ? -magnitude : 0.0f;
+      float got;
+      std::memcpy(&got, &gpu[4 * i], sizeof got);
+      ASSERT_EQ(got, want) << (vote ? "vote" : "sum") << ", element " << i;
+    }
+  }
 }
 
 TEST(CudaTopk, TiesGoToTheLowestIndices) {

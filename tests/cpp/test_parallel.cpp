@@ -78,8 +78,13 @@ TEST_P(Parallel, SameBitsAsOneThread) {
 
 INSTANTIATE_TEST_SUITE_P(
     Codecs, Parallel,
-    ::testing::Values(Case{Codec::None, 0, 0}, Case{Codec::Fp16, 0, 0}, Case{Codec::SignSGD, 0, 0},
-                      Case{Codec::TernGrad, 0, 0}, Case{Codec::QSGD, 15, 512}, Case{Codec::QSGD, 7, 100003},
+    // signsgd: blocks summed where they are signed (7, 100, 256), whole blocks in parallel (9000),
+    // each block's reduce chunks in parallel (70000), one block of exactly n, one larger than n.
+    ::testing::Values(Case{Codec::None, 0, 0}, Case{Codec::Fp16, 0, 0}, Case{Codec::SignSGD, 0, 256},
+                      Case{Codec::SignSGD, 0, 7}, Case{Codec::SignSGD, 0, 100}, Case{Codec::SignSGD, 0, 9000},
+                      Case{Codec::SignSGD, 0, 70000}, Case{Codec::SignSGD, 0, 1'000'003},
+                      Case{Codec::SignSGD, 0, kMaxBlock}, Case{Codec::TernGrad, 0, 0}, Case{Codec::QSGD, 15, 512},
+                      Case{Codec::QSGD, 7, 100003},
                       Case{Codec::QSGD, 3, 77}, Case{Codec::TopK, 10000, 0}, Case{Codec::TopK, 999999, 0},
                       Case{Codec::RandomK, 10000, 0}),
     [](const auto& info) { return std::string(kCodecNames[static_cast<int>(info.param.codec)]) + "_" + std::to_string(info.index); });

@@ -71,7 +71,10 @@ void check_all(DType dtype) {
   check_codec<T>(Codec::None, dtype, 0, 0);
   check_codec<T>(Codec::Fp16, dtype, 0, 0);
   check_codec<T>(Codec::Bf16, dtype, 0, 0);
-  check_codec<T>(Codec::SignSGD, dtype, 0, 0);
+  check_codec<T>(Codec::SignSGD, dtype, 0, 256);
+  check_codec<T>(Codec::SignSGD, dtype, 0, 100);
+  check_codec<T>(Codec::SignSGD, dtype, 0, 7);
+  check_codec<T>(Codec::SignSGD, dtype, 0, 9000);  // one block larger than n
   check_codec<T>(Codec::TernGrad, dtype, 0, 0);
   check_codec<T>(Codec::QSGD, dtype, 15, 512);
   check_codec<T>(Codec::QSGD, dtype, 200, 77);

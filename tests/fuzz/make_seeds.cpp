@@ -52,7 +52,10 @@ int main(int argc, char** argv) {
         for (int64_t count : {1, 3}) {
           const bool indexed = codec == Codec::TopK || codec == Codec::RandomK;
           const int64_t param0 = indexed ? (numel + 9) / 10 : codec == Codec::QSGD ? 5 : 0;
-          const int64_t param1 = codec == Codec::QSGD ? 16 : 0;
+          // signsgd blocks: smaller than n and not a multiple of 8 (a short last block), a multiple of
+          // 8, and larger than n.
+          const int64_t signsgd_block = numel == 1000 ? 300 : numel == 64 ? 8 : numel == 7 ? 3 : 256;
+          const int64_t param1 = codec == Codec::QSGD ? 16 : codec == Codec::SignSGD ? signsgd_block : 0;
           std::vector<uint8_t> input{static_cast<uint8_t>(count - 1)};
           for (int64_t r = 0; r < count; ++r) {
             const auto payload = encode(codec, static_cast<DType>(d), numel, param0, param1, r);

@@ -25,6 +25,7 @@ Public names (imported by tests and benchmarks):
 
 from __future__ import annotations
 
+import math
 import struct
 
 import torch
@@ -382,7 +383,7 @@ def _layout(codec_id: int, dtype_id: int, n: int, p0: int, p1: int) -> dict[str,
     elif name in ("fp16", "bf16"):
         end = b + n * 2
     elif name == "signsgd":
-        lay["codes"] = b + 4
+        lay["codes"] = b + 4 * -(-n // p1)
         end = lay["codes"] + -(-n // 8)
     elif name == "terngrad":
         lay["codes"] = b + 4
@@ -405,6 +406,8 @@ def _params(codec: str, n: int, k: int, levels: int, block: int) -> tuple[int, i
         return int(k), 0
     if codec == "qsgd":
         return int(levels), int(block)
+    if codec == "signsgd":
+        return 0, int(block)
     return 0, 0
 
 
@@ -436,7 +439,9 @@ def _header_problem(h: dict) -> str | None:
             return "qsgd block < 1"
     elif p0 != 0:
         return "unexpected parameter for this codec"
-    if name != "qsgd" and p1 != 0:
+    if name == "signsgd" and not 1 <= p1 <= (1 << 40):
+        return "signsgd block outside [1, 2^40]"
+    if name not in ("qsgd", "signsgd") and p1 != 0:
         return "unexpected parameter for this codec"
     if name in ("terngrad", "qsgd") and n > MAX_STOCHASTIC_NUMEL:
         return "element count above 2^34 for a stochastic codec"
@@ -477,13 +482,31 @@ def _header_bytes(codec_id, dtype_id, n, p0, p1, seed, step, bucket) -> torch.Te
 # Encode
 # ----------------------------------------------------------------------------------------------
 
-def _signsgd_body(m: torch.Tensor):
+def _blocks(m: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """m cut into rows of `block` elements (the last zero-padded), and each row's element count."""
     n = m.numel()
-    # (double)|m| summed in double lanes, divided by n in double, rounded to fp32
-    scale = (canonical_sum(m.abs().double().view(1, -1))[0] / n).to(torch.float32) if n else torch.tensor(0.0)
+    nblocks = -(-n // block)
+    width = min(block, n)
+    padded = torch.zeros(nblocks * width, dtype=m.dtype)
+    padded[:n] = m
+    lengths = torch.clamp(n - torch.arange(nblocks) * block, max=block)
+    return (padded.view(nblocks, width) if n else padded.view(0, 0)), lengths
+
+
+def _signsgd_body(m: torch.Tensor, block: int, norm_scale: bool = False):
+    rows, lengths = _blocks(m, block)
+    # per block: (double)|m| (or (double)m * m with norm_scale) summed in double lanes, divided by the
+    # block's length in double (then the double square root), rounded to fp32
+    rows64 = rows.double()
+    totals = canonical_sum(rows64 * rows64 if norm_scale else rows64.abs())
+    means = totals / lengths.double()
+    if norm_scale:
+        means = torch.tensor([math.sqrt(v) if v >= 0 else float("nan") for v in means.tolist()], dtype=torch.float64)
+    scales = means.to(torch.float32)
     positive = ~(m < 0)  # m >= 0, -0 and NaN all count as "+"
-    decoded = torch.where(positive, scale, -scale)
-    body = torch.cat([_as_bytes(scale.reshape(1)), _pack_bits(positive)])
+    elem_scale = scales[torch.arange(m.numel()) // block]
+    decoded = torch.where(positive, elem_scale, -elem_scale)
+    body = torch.cat([_as_bytes(scales), _pack_bits(positive)])
     return body, decoded
 
 
@@ -504,11 +527,7 @@ def _terngrad_body(m: torch.Tensor, seed, step, bucket, rank):
 
 def _qsgd_body(m: torch.Tensor, levels: int, block: int, seed, step, bucket, rank):
     n = m.numel()
-    nblocks = -(-n // block)
-    width = min(block, n)
-    padded = torch.zeros(nblocks * width, dtype=torch.float32)
-    padded[:n] = m
-    rows = padded.view(nblocks, width) if n else padded.view(0, 0)
+    rows, _ = _blocks(m, block)
     rows64 = rows.double()
     norms = saturated_norm(canonical_sum(rows64 * rows64))  # exact double squares, double sum and sqrt
     s = torch.tensor(float(levels), dtype=torch.float32)
@@ -545,8 +564,9 @@ def _sent_values(g: torch.Tensor, m: torch.Tensor, residual: torch.Tensor | None
 
 def ref_encode(codec: str, grad: torch.Tensor, residual: torch.Tensor | None = None, *, k: int = 0,
                levels: int = 0, block: int = 0, seed: int = 0, step: int = 0, bucket: int = 0,
-               rank: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(payload bytes, new residual or None). Inputs are left untouched."""
+               rank: int = 0, norm_scale: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(payload bytes, new residual or None). Inputs are left untouched. norm_scale (signsgd): each
+    block's scale is the root mean square of m instead of the mean |m| (the two-phase owner's re-encode)."""
     if codec not in CODEC_IDS:
         raise ValueError(f"unknown codec {codec!r}")
     dtype = grad.dtype
@@ -575,7 +595,7 @@ def ref_encode(codec: str, grad: torch.Tensor, residual: torch.Tensor | None = N
         body = _as_bytes(wire)
         decoded = to_float(wire)
     elif codec == "signsgd":
-        body, decoded = _signsgd_body(m)
+        body, decoded = _signsgd_body(m, p1, norm_scale)
     elif codec == "terngrad":
         body, decoded = _terngrad_body(m, seed, step, bucket, rank)
     elif codec == "qsgd":
@@ -657,7 +677,8 @@ def _decoded_one(payload: torch.Tensor, h: dict, lay: dict, randomk_idx: torch.T
         wire_dtype = {"none": dtype, "fp16": torch.float16, "bf16": torch.bfloat16}[name]
         return alpha32 * to_float(_field(payload, HEADER_BYTES, n, wire_dtype))
     if name == "signsgd":
-        scale = alpha32 * _field(payload, HEADER_BYTES, 1, torch.float32)[0]
+        scales = alpha32 * _field(payload, HEADER_BYTES, -(-n // p1), torch.float32)
+        scale = scales[torch.arange(n) // p1]
         positive = _unpack_bits(payload[lay["codes"]: lay["end"]], n).bool()
         return torch.where(positive, scale, -scale)
     if name == "terngrad":
@@ -705,11 +726,14 @@ def ref_decode_sum(payloads: torch.Tensor, out_dtype: torch.dtype, alpha: float 
     n = h["numel"]
     alpha32 = torch.tensor(alpha, dtype=torch.float32)
     if vote:
-        magnitude = torch.tensor(0.0, dtype=torch.float32)
+        block = h["param1"]
+        magnitude = torch.zeros(-(-n // block), dtype=torch.float32)  # per block
         votes = torch.zeros(n, dtype=torch.int64)
         for p in range(payloads.shape[0]):
-            magnitude = add_saturating(magnitude, alpha32 * _field(payloads[p], HEADER_BYTES, 1, torch.float32)[0])
+            magnitude = add_saturating(magnitude, alpha32 * _field(payloads[p], HEADER_BYTES, magnitude.numel(),
+                                                                   torch.float32))
             votes += _unpack_bits(payloads[p, lay["codes"]: lay["end"]], n) * 2 - 1
+        magnitude = magnitude[torch.arange(n) // block]
         tie = torch.tensor(0.0, dtype=torch.float32) * magnitude
         result = torch.where(votes > 0, magnitude, torch.where(votes < 0, -magnitude, tie))
         return round_to_saturating(result.to(torch.float32), out_dtype)

@@ -65,6 +65,8 @@ def test_spec_round_trips():
         ("qsgd:levels=0", {}, "levels=0 is outside [1, 32767]"),
         ("qsgd:levels=40000", {}, "levels=40000 is outside [1, 32767]"),
         ("qsgd:block=0", {}, "block=0 is outside [1,"),
+        ("signsgd:block=0", {}, "signsgd: block=0 is outside [1,"),
+        ("signsgd", {"block": 2.5}, "signsgd: block must be an integer"),
         ("terngrad:seed=-1", {}, "seed=-1 must be an integer in [0, 2^63)"),
         ("signsgd:vote=maybe", {}, "cannot read vote='maybe' as bool"),
         ("fp16", {"error_feedback": "yes"}, "error_feedback must be True or False"),
@@ -104,8 +106,10 @@ def test_raw_op_names_bad_codec_and_parameters():
         torch.ops.gradcomp.encode(grad, None, "topk", 11)
     with pytest.raises(ValueError, match=r"qsgd levels outside"):
         torch.ops.gradcomp.encode(grad, None, "qsgd", 0, 4)
+    with pytest.raises(ValueError, match=r"signsgd block outside \[1, 2\^40\]"):
+        torch.ops.gradcomp.encode(grad, None, "signsgd", 0, 0)
     with pytest.raises(ValueError, match=r"step=-1 must lie in \[0, 2\^32\)"):
-        torch.ops.gradcomp.encode(grad, None, "signsgd", 0, 0, 0, -1)
+        torch.ops.gradcomp.encode(grad, None, "signsgd", 0, 256, 0, -1)
 
 
 def test_decode_refuses_foreign_payloads_and_bad_outputs():
@@ -145,7 +149,8 @@ def test_payload_sizes_follow_the_documented_formulas():
     assert gradcomp.codec("none").payload_nbytes(n) == pad(48 + 4 * n)
     assert gradcomp.codec("fp16").payload_nbytes(n) == pad(48 + 2 * n)
     assert gradcomp.codec("bf16").payload_nbytes(n, torch.float16) == pad(48 + 2 * n)
-    assert gradcomp.codec("signsgd").payload_nbytes(n) == pad(48 + 4 + math.ceil(n / 8))
+    assert gradcomp.codec("signsgd").payload_nbytes(n) == pad(48 + 4 * math.ceil(n / 256) + math.ceil(n / 8))
+    assert gradcomp.codec("signsgd:block=10000").payload_nbytes(n) == pad(48 + 4 + math.ceil(n / 8))
     assert gradcomp.codec("terngrad").payload_nbytes(n) == pad(48 + 4 + math.ceil(n / 4))
     bits = 1 + math.ceil(math.log2(16 + 1))
     assert gradcomp.codec("qsgd:levels=16,block=512").payload_nbytes(n) == pad(48 + 4 * math.ceil(n / 512) + math.ceil(n * bits / 8))

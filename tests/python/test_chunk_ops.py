@@ -10,8 +10,9 @@ import torch
 
 import gradcomp
 from gradcomp.codecs import HEADER_BYTES
+from reference import ref_encode
 
-SPECS = ["signsgd", "signsgd:vote=true", "terngrad", "qsgd:levels=7,block=16", "topk:ratio=0.1",
+SPECS = ["signsgd", "signsgd:vote=true", "signsgd:block=100", "terngrad", "qsgd:levels=7,block=16", "topk:ratio=0.1",
          "terngrad:error_feedback=true"]
 
 
@@ -58,11 +59,21 @@ def test_decode_chunks_refuses_rows_that_do_not_fit():
         torch.ops.gradcomp.decode_chunks(rows, torch.empty(100), False, "signsgd", [0, 0])
     with pytest.raises(ValueError, match="chunk 0's payload takes 80 bytes, but the rows hold 48"):
         codec.decode_chunks(rows, torch.empty(300))
+    rows = torch.zeros(2, 96, dtype=torch.uint8)
+    for name, param1 in (("signsgd", 0), ("qsgd", 0)):  # a block of 0 is refused, not divided by
+        with pytest.raises(ValueError, match=f"{name} block outside"):
+            torch.ops.gradcomp.decode_chunks(rows, torch.empty(100), False, name, [15 if name == "qsgd" else 0] * 2,
+                                             param1)
 
 
-def _root_mean_square(values: torch.Tensor) -> float:
-    squares = [v * v for v in values.double().tolist()]
-    return math.sqrt(math.fsum(squares) / len(squares))
+def block_root_mean_squares(values: torch.Tensor, block: int) -> torch.Tensor:
+    """sqrt(sum of squares / length) of each block of `block` elements, as float32: the sum exact
+    (math.fsum), the rest in double. What signsgd's scales are when it re-encodes a sum of signs."""
+    roots = []
+    for part in values.split(block) if values.numel() else ():
+        squares = [v * v for v in part.double().tolist()]
+        roots.append(math.sqrt(math.fsum(squares) / len(squares)))
+    return torch.tensor(roots, dtype=torch.float32)
 
 
 @pytest.mark.parametrize("spec", SPECS)
@@ -79,10 +90,13 @@ def test_reencode_sum_is_decode_sum_then_encode(spec, numel):
     assert torch.equal(average, expected_average)
     m = expected_average + owner if owner is not None else expected_average
     expected = codec.encode(m.clone(), None, step=4, bucket=1, rank=9)
-    if codec.name == "signsgd" and not codec.vote:  # the sum's root mean square is the scale, the signs are m's
-        scale = torch.tensor([_root_mean_square(m)], dtype=torch.float32)
-        assert scale.item() >= expected[HEADER_BYTES: HEADER_BYTES + 4].view(torch.float32).item()  # >= mean |m|
-        expected[HEADER_BYTES: HEADER_BYTES + 4] = scale.view(torch.uint8)
+    if codec.name == "signsgd" and not codec.vote:  # each block's root mean square is its scale, the signs are m's
+        scales = block_root_mean_squares(m, codec.block)
+        field = slice(HEADER_BYTES, HEADER_BYTES + 4 * scales.numel())
+        assert bool((scales >= expected[field].view(torch.float32)).all())  # >= mean |m|
+        expected[field] = scales.view(torch.uint8)
+        reference = ref_encode("signsgd", m, block=codec.block, norm_scale=True, step=4, bucket=1, rank=9)[0]
+        assert torch.equal(got, reference)  # the canonical summation order, bit for bit
     assert torch.equal(got, expected)
     if owner is not None:
         assert torch.equal(kept, m - codec.decode_sum(expected, torch.empty(numel)))

@@ -44,12 +44,15 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 DTYPE_IDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 N = 4999  # not a multiple of 8, 32, a qsgd block, nor of the 4096-element reduction chunk
 
-# (codec, parameters): ratio for topk/randomk (k = count_for_ratio(ratio, n)), levels/block for qsgd
+# (codec, parameters): ratio for topk/randomk (k = count_for_ratio(ratio, n)), levels/block for qsgd,
+# block for signsgd
 CASES = [
     ("none", {}),
     ("fp16", {}),
     ("bf16", {}),
-    ("signsgd", {}),
+    ("signsgd", {"block": 256}),
+    ("signsgd", {"block": 7}),  # blocks that start inside a byte of signs
+    ("signsgd", {"block": 9000}),  # one block for every size here: one scale per bucket
     ("terngrad", {}),
     ("qsgd", {"levels": 15, "block": 512}),
     ("qsgd", {"levels": 1, "block": 97}),  # 2-bit codes
@@ -78,6 +81,8 @@ def wire_kwargs(name: str, params: dict, n: int) -> dict:
         return {"k": gradcomp.count_for_ratio(params["ratio"], n)}
     if name == "qsgd":
         return {"levels": params["levels"], "block": params["block"]}
+    if name == "signsgd":
+        return {"block": params["block"]}
     return {}
 
 
@@ -142,9 +147,9 @@ def assert_payload_equal(actual: torch.Tensor, expected: torch.Tensor, what: str
 
 def float_fields(name: str, n: int, kw: dict, dtype: torch.dtype) -> list[tuple[int, int, torch.dtype]]:
     """(offset, count, dtype) of the floating-point fields of a payload."""
-    if name in ("signsgd", "terngrad"):
+    if name == "terngrad":
         return [(HEADER_BYTES, 1, torch.float32)]
-    if name == "qsgd":
+    if name in ("qsgd", "signsgd"):
         return [(HEADER_BYTES, -(-n // kw["block"]), torch.float32)]
     if name == "topk":
         return [(HEADER_BYTES + 4 * kw["k"], kw["k"], dtype)]
@@ -245,7 +250,8 @@ def test_payload_nbytes_documented_values():
     assert ref_payload_nbytes("none", 1000, f32) == 48 + 4000
     assert ref_payload_nbytes("none", 1001, f16) == 48 + 2002 + 14
     assert ref_payload_nbytes("fp16", 1001, f32) == 48 + 2002 + 14
-    assert ref_payload_nbytes("signsgd", N, f32) == 688  # 48 + 4 + 625 -> 677 -> 688
+    assert ref_payload_nbytes("signsgd", N, f32, block=256) == 768  # 48 + 4 * 20 + 625 -> 753 -> 768
+    assert ref_payload_nbytes("signsgd", N, f32, block=N) == 688  # 48 + 4 + 625 -> 677 -> 688
     assert ref_payload_nbytes("terngrad", N, f32) == 48 + 4 + 1250 + 10
     # 10 norms, 4999 codes of 1 + 4 bits
     assert ref_payload_nbytes("qsgd", N, f32, levels=15, block=512) == 48 + 40 + 3125 + 3
@@ -360,7 +366,7 @@ def test_decode_sum_matches_reference(name, params, dtype, count):
 @pytest.mark.parametrize("name", ["none", "topk", "randomk", "signsgd", "qsgd"])
 def test_decode_sum_negative_alpha(name):
     n = 1003
-    params = dict(CASES)[name]
+    params = next(p for c, p in CASES if c == name)
     kw = wire_kwargs(name, params, n)
     for count in (1, 2):
         stack = torch.stack([lib_encode(name, make_grad(n, torch.float32, seed=r), **kw, rank=r) for r in range(count)])
@@ -379,16 +385,18 @@ def test_signsgd_vote(dtype, count):
     if count == 4:  # force ties: two "+" and two "-" on the first 100 elements
         for r, g in enumerate(grads):
             g[:100] = 1.0 if r % 2 == 0 else -1.0
-    stack = torch.stack([lib_encode("signsgd", g, rank=r) for r, g in enumerate(grads)])
+    block = 100  # 11 blocks, the last of one element
+    stack = torch.stack([lib_encode("signsgd", g, block=block, rank=r) for r, g in enumerate(grads)])
     for alpha in (1.0, 0.25, 1 / 3):
         got = lib_decode(stack, dtype, n, alpha, vote=True)
         assert_same(got, ref_decode_sum(stack, dtype, alpha, vote=True), "vote")
-        # explicit: (sum of alpha * scale, in payload order) * sign(sum of signs), 0 on a tie
-        magnitude = torch.tensor(0.0)
+        # explicit: per element, (sum of alpha * its block's scale, in payload order) * sign(sum of
+        # signs), 0 on a tie
+        magnitude = torch.zeros(n)
         votes = torch.zeros(n, dtype=torch.int64)
         for r, g in enumerate(grads):
-            scale = stack[r, HEADER_BYTES:HEADER_BYTES + 4].clone().view(torch.float32)[0]
-            magnitude = magnitude + torch.tensor(alpha, dtype=torch.float32) * scale
+            scales = stack[r, HEADER_BYTES:HEADER_BYTES + 4 * 11].clone().view(torch.float32)
+            magnitude = magnitude + torch.tensor(alpha, dtype=torch.float32) * scales.repeat_interleave(block)[:n]
             votes += torch.where(g.float() < 0, -1, 1)
         expected = magnitude * torch.sign(votes).float()
         assert_same(got, expected.to(dtype), "explicit vote")
@@ -438,7 +446,7 @@ def test_error_feedback_through_the_codec_api():
     """gradcomp.codec(spec).encode updates the residual in place and matches the reference."""
     n = 1500
     for spec, kw in [("topk:ratio=0.01", {"k": 15}), ("randomk:ratio=0.02,seed=9", {"k": 30, "seed": 9}),
-                     ("signsgd", {}), ("qsgd:levels=16,block=256,seed=5", {"levels": 16, "block": 256, "seed": 5}),
+                     ("signsgd:block=100", {"block": 100}), ("qsgd:levels=16,block=256,seed=5", {"levels": 16, "block": 256, "seed": 5}),
                      ("terngrad:seed=3", {"seed": 3}), ("fp16", {}), ("bf16", {}), ("none", {})]:
         c = gradcomp.codec(spec)
         grad = make_grad(n, torch.float32, seed=1)
@@ -601,8 +609,8 @@ def test_non_contiguous_residual_and_out_are_refused():
     grad = torch.randn(100)
     residual = torch.zeros(200)[::2]
     with pytest.raises((RuntimeError, ValueError), match="contiguous"):
-        lib_encode("signsgd", grad, residual)
-    payload = lib_encode("signsgd", grad)
+        lib_encode("signsgd", grad, residual, block=256)
+    payload = lib_encode("signsgd", grad, block=256)
     out = torch.full((200,), 5.0)
     with pytest.raises((RuntimeError, ValueError), match="contiguous"):
         OPS.decode_sum(payload, out[::2], 1.0, False)
@@ -635,8 +643,9 @@ def test_empty_and_single_element(name, params, dtype, n):
 def test_nan_and_inf(name, params, dtype):
     """Observed (and specified) behaviour with non-finite values:
     none/fp16/bf16: element-wise, NaN and Inf travel as themselves (finite values stay finite).
-    signsgd: the scale (mean |m|) is NaN, so every element decodes as NaN; with Inf but no NaN
-      the scale is Inf and every element decodes as +-Inf.
+    signsgd: a block's scale (mean |m|) is NaN where the block holds a NaN, and every element of
+      the block decodes as NaN; in a block with Inf but no NaN the scale is Inf and every element
+      decodes as +-Inf. Other blocks stay finite.
     terngrad: the scale (max |m|) is non-finite, every code is 0, and 0 * scale makes the whole
       bucket decode as NaN.
     qsgd: only the blocks holding NaN or Inf have a non-finite norm and decode as NaN.
@@ -670,8 +679,14 @@ def test_nan_and_inf(name, params, dtype):
             assert int(finite.sum()) == n - 4
         elif name == "fp16":  # float32 values beyond 65504 would also overflow; here only the four
             assert torch.equal(nan, torch.isnan(grad)) and int(finite.sum()) == n - 4
-        elif name in ("signsgd", "terngrad"):
+        elif name == "terngrad":
             assert bool(nan.all()), "a non-finite scale makes the whole bucket NaN"
+        elif name == "signsgd":
+            blocks = torch.arange(n) // params["block"]
+            in_nan = torch.isin(blocks, torch.tensor([nan_at // params["block"], nnan_at // params["block"]]))
+            in_inf = torch.isin(blocks, torch.tensor([inf_at // params["block"], ninf_at // params["block"]]))
+            assert bool(nan[in_nan].all()) and bool(torch.isinf(single[in_inf & ~in_nan]).all())
+            assert bool(finite[~in_nan & ~in_inf].all())
         elif name == "qsgd":
             block = params["block"]
             bad_blocks = {i // block for i in (nan_at, inf_at, ninf_at, nnan_at)}
@@ -693,7 +708,8 @@ def test_nan_and_inf(name, params, dtype):
     assert_payload_equal_nan_aware(payload, ref_encode(name, grad2, **kw, **KEY)[0], name, n, kw, dtype, "inf only")
     single = lib_decode(payload, dtype, n)
     if name == "signsgd":
-        assert bool(torch.isinf(single).all())
+        in_inf = torch.arange(n) // params["block"] == inf_at // params["block"]
+        assert bool(torch.isinf(single[in_inf]).all()) and bool(torch.isfinite(single[~in_inf]).all())
     elif name == "terngrad":
         assert bool(torch.isnan(single).all())
 
@@ -706,8 +722,8 @@ def test_nan_and_inf(name, params, dtype):
 def test_signsgd_sign_bits_and_ties_at_zero(dtype):
     values = [0.0, -0.0, 1.0, -1.0, float("nan"), -2.0, 3.0, -0.0, 0.5, -0.5, 0.0]
     grad = torch.tensor(values, dtype=dtype)
-    payload = lib_encode("signsgd", grad)
-    assert_payload_equal(payload, ref_encode("signsgd", grad)[0])
+    payload = lib_encode("signsgd", grad, block=len(values))  # one block: one scale, the signs at byte 52
+    assert_payload_equal(payload, ref_encode("signsgd", grad, block=len(values))[0])
     bits = [(int(payload[52 + i // 8]) >> (i % 8)) & 1 for i in range(len(values))]
     assert bits == [1, 1, 1, 0, 1, 0, 1, 1, 1, 0, 1]  # "+" for m >= 0, -0 and NaN
     assert int(payload[53]) >> 3 == 0  # unused bits of the last byte are zero
@@ -882,7 +898,7 @@ def test_capped_cpu_variant_matches_reference(isa):
 # ----------------------------------------------------------------------------------------------
 
 def _valid(name="topk", n=1000, step=3):
-    kw = {"k": 20} if name in ("topk", "randomk") else {}
+    kw = {"k": 20} if name in ("topk", "randomk") else {"block": 256} if name == "signsgd" else {}
     return lib_encode(name, make_grad(n, torch.float32, seed=step), **kw, seed=1, step=step, bucket=2)
 
 

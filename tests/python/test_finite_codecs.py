@@ -37,6 +37,8 @@ def params_for(name: str, n: int) -> dict:
         return {"k": max(1, n // 20)}
     if name == "qsgd":
         return {"levels": 127, "block": 512}
+    if name == "signsgd":
+        return {"block": 256}
     return {}
 
 
@@ -50,9 +52,9 @@ def float_fields(payload: torch.Tensor) -> torch.Tensor:
     if name in ("none", "fp16", "bf16"):
         wire = {"none": dtype, "fp16": torch.float16, "bf16": torch.bfloat16}[name]
         return _field(payload, HEADER_BYTES, n, wire).float()
-    if name in ("signsgd", "terngrad"):
+    if name == "terngrad":
         return _field(payload, HEADER_BYTES, 1, torch.float32)
-    if name == "qsgd":
+    if name in ("qsgd", "signsgd"):
         return _field(payload, HEADER_BYTES, -(-n // p1), torch.float32)
     if name == "topk":
         return _field(payload, lay["values"], p0, dtype).float()
@@ -101,11 +103,11 @@ def decode_checked(stack, dtype, n, alpha, vote=False):
 def test_signsgd_scale_of_opposite_huge_values_is_finite(with_residual):
     n = 1000
     grad = torch.randn(n, generator=torch.Generator().manual_seed(1)) * 0.01
-    grad[0], grad[32] = 3e38, -3e38  # the same summation lane
+    grad[0], grad[32] = 3e38, -3e38  # the same summation lane of the first block
     residual = torch.zeros(n) if with_residual else None
-    payload, new_residual = encode_checked("signsgd", grad, residual, {})
-    scale = float_fields(payload)
-    assert all_finite(scale) and float(scale) == pytest.approx(6e38 / n, rel=1e-6)
+    payload, new_residual = encode_checked("signsgd", grad, residual, params_for("signsgd", n))
+    scales = float_fields(payload)
+    assert all_finite(scales) and float(scales[0]) == pytest.approx(6e38 / 256, rel=1e-6)
     if with_residual:
         assert all_finite(new_residual)
     out = decode_checked(torch.stack([payload, payload]), torch.float32, n, 0.5)
@@ -139,7 +141,7 @@ def test_fp16_signsgd_residual_saturates_instead_of_overflowing():
     for step in range(10):
         grad = (torch.randn(n, generator=torch.Generator().manual_seed(step)) * 0.01).to(torch.float16)
         grad[5] = 30000.0
-        payload, residual = encode_checked("signsgd", grad, residual, {}, dict(KEY, step=step))
+        payload, residual = encode_checked("signsgd", grad, residual, params_for("signsgd", n), dict(KEY, step=step))
         assert all_finite(float_fields(payload)), f"step {step}: scale"
         assert all_finite(residual), f"step {step}: residual"
         out = decode_checked(torch.stack([payload, payload]), torch.float16, n, 0.5)

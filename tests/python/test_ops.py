@@ -8,7 +8,7 @@ from torch.library import opcheck
 import gradcomp
 
 # codec, param0, param1 for a 300-element gradient
-WIRE_CASES = [("none", 0, 0), ("fp16", 0, 0), ("bf16", 0, 0), ("signsgd", 0, 0), ("terngrad", 0, 0),
+WIRE_CASES = [("none", 0, 0), ("fp16", 0, 0), ("bf16", 0, 0), ("signsgd", 0, 64), ("terngrad", 0, 0),
               ("qsgd", 15, 64), ("topk", 9, 0), ("randomk", 9, 0)]
 
 
@@ -45,7 +45,7 @@ def test_decode_sum_refuses_payloads_of_another_codec_than_named():
 
 
 def test_decode_sum_vote():
-    payloads = torch.stack([torch.ops.gradcomp.encode(torch.randn(64), None, "signsgd") for _ in range(3)])
+    payloads = torch.stack([torch.ops.gradcomp.encode(torch.randn(64), None, "signsgd", 0, 16) for _ in range(3)])
     opcheck(torch.ops.gradcomp.decode_sum.default, (payloads, torch.empty(64), 0.5, True))
 
 
@@ -54,7 +54,7 @@ def test_orthogonalize(shape):
     opcheck(torch.ops.gradcomp.orthogonalize_.default, (torch.randn(shape), 0.0))
 
 
-@pytest.mark.parametrize("codec, param0, param1", [("signsgd", 0, 0), ("qsgd", 15, 64), ("topk", 9, 0)])
+@pytest.mark.parametrize("codec, param0, param1", [("signsgd", 0, 64), ("qsgd", 15, 64), ("topk", 9, 0)])
 def test_two_phase_ops(codec, param0, param1):
     grad, residual = torch.randn(300), torch.randn(300)
     opcheck(torch.ops.gradcomp.encode_chunks.default, (grad, residual, codec, [param0] * 3, param1, 5, 3, 1, 6))

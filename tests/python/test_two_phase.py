@@ -5,7 +5,6 @@ the owners', stats count the bytes each rank sends, resume is bit-identical, and
 
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
@@ -14,6 +13,7 @@ import ddp_scenarios
 import gradcomp
 import two_phase_scenarios as scenarios
 from ddp_harness import run_ranks, unwrap
+from test_chunk_ops import block_root_mean_squares
 from gradcomp.codecs import HEADER_BYTES
 from gradcomp.schemes import AllgatherBucket, TwoPhaseBucket, plan_class
 
@@ -58,12 +58,6 @@ def _decoded(codec, payload, numel, alpha=1.0, count=1):
     return out
 
 
-def _root_mean_square(values: torch.Tensor) -> torch.Tensor:
-    """sqrt(sum of squares / n) as one float32, the sum exact (math.fsum) and the rest in double."""
-    squares = [v * v for v in values.double().tolist()]
-    return torch.tensor([math.sqrt(math.fsum(squares) / len(squares)) if squares else 0.0], dtype=torch.float32)
-
-
 def _reference_bucket(codec, world, step, index, grads, residuals, owner_residuals):
     """What the scheme must produce for one bucket, from every rank's input: (output, each rank's new
     residual, each owner's new residual). Stream keys: rank r's chunk j is r*W + j, owner j's is W*W + j."""
@@ -82,7 +76,8 @@ def _reference_bucket(codec, world, step, index, grads, residuals, owner_residua
         owner_m = average + owner_residuals[j] if owner_residuals[j] is not None else average
         again = codec.encode(owner_m.clone(), None, step=step, bucket=index, rank=world * world + j)
         if codec.name == "signsgd" and not codec.vote:  # the owner's scale: the root mean square, not mean |m|
-            again[HEADER_BYTES: HEADER_BYTES + 4] = _root_mean_square(owner_m).view(torch.uint8)
+            scales = block_root_mean_squares(owner_m, codec.block)
+            again[HEADER_BYTES: HEADER_BYTES + 4 * scales.numel()] = scales.view(torch.uint8)
         delivered = _decoded(codec, again, part.numel())
         outputs.append(delivered)
         new_owner_residuals.append(owner_m - delivered if owner_residuals[j] is not None else None)
