@@ -11,8 +11,9 @@ of the default 40), then cosine decay to zero, and the averaged gradient clipped
 bites only in the first epochs; without it terngrad and randomk diverge). The momentum is lower
 than the usual 0.9 on purpose: an error-feedback residual already carries gradient from step to
 step, and on top of momentum 0.9 signsgd's large residuals make training unstable (10-40% test
-accuracy instead of ~94%). Adam is worse still: it rescales every coordinate, so the residual's
-small oscillating entries become full-size steps.
+accuracy instead of ~94%; measured with signsgd's earlier one scale per bucket). Adam is worse
+still: it rescales every coordinate, so the residual's small oscillating entries become full-size
+steps; under AdamW, signsgd does better without error feedback (benchmarks/README.md).
 
     python examples/train_ddp.py                                  # 2 local ranks, topk:ratio=0.01
     python examples/train_ddp.py --compressor none                # the uncompressed baseline

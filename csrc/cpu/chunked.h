@@ -206,7 +206,7 @@ inline T* field(uint8_t* payload, int64_t offset) {
   return reinterpret_cast<T*>(payload + offset);
 }
 
-// The decode of signsgd (sum mode) and terngrad: out = the sum over payloads of alpha * scale *
+// The decode of terngrad (one scale per payload): out = the sum over payloads of alpha * scale *
 // table[code], the codes packed kPerByte to a byte from byte codes_offset, scale the fp32 right
 // after the header. Plain adds where sum_may_overflow says saturating ones give the same bits.
 template <typename T, int kPerByte>

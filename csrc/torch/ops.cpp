@@ -335,8 +335,8 @@ void decode_chunks(const at::Tensor& rows, at::Tensor& out, bool vote, c10::stri
 }
 
 // The two-phase owner's step: average = the sum of alpha times each of its chunk's payloads, then that
-// average (+ the owner's residual) encoded again, returned. signsgd summing signs re-encodes with the
-// root mean square as its scale (norm_scale, csrc/cpu/signsgd.cpp): a sum of signs that partly cancel
+// average (+ the owner's residual) encoded again, returned. signsgd summing signs re-encodes with each
+// block's root mean square as its scale (norm_scale, csrc/cpu/signsgd.cpp): a sum of signs that partly cancel
 // spreads its magnitudes, and mean |m| would shrink what every element carries.
 at::Tensor reencode_sum(const at::Tensor& payloads, at::Tensor& average, const std::optional<at::Tensor>& residual,
                         double alpha, bool vote, c10::string_view codec, int64_t param0, int64_t param1,

@@ -289,6 +289,8 @@ class Bf16(PayloadCodec):
 @_register("signsgd", {"vote": False, "block": 256, "error_feedback": True},
            "n sign bits + fp32 mean |g| per block; allgather, sum of scaled signs or majority vote")
 class SignSGD(PayloadCodec):
+    block = _ops._C.max_block  # a signsgd pickled before the block option: one scale per bucket, as it had
+
     def __init__(self, vote: bool = False, block: int = 256, error_feedback: bool = True):
         if not isinstance(vote, bool):
             raise ValueError(f"signsgd: vote must be True or False, got {vote!r}")

@@ -1,6 +1,7 @@
 """The user-facing API: names, specs, parameters and the errors for bad input."""
 
 import math
+import pickle
 
 import pytest
 import torch
@@ -141,6 +142,14 @@ def test_payload_size_is_what_encode_produces(name, dtype):
     c = gradcomp.codec(name)
     for n in (0, 1, 7, 1000, 4099):
         assert c.encode(torch.randn(n).to(dtype)).numel() == c.payload_nbytes(n, dtype)
+
+
+def test_a_signsgd_pickled_before_the_block_option_keeps_one_scale_per_bucket():
+    old = gradcomp.codec("signsgd")
+    del old.block  # what such a pickle restores: no block attribute
+    restored = pickle.loads(pickle.dumps(old))
+    assert restored.wire_params(1000) == (0, gradcomp._ops._C.max_block)
+    assert restored.payload_nbytes(1000) == (48 + 4 + 125 + 15) // 16 * 16
 
 
 def test_payload_sizes_follow_the_documented_formulas():

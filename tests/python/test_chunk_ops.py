@@ -92,9 +92,7 @@ def test_reencode_sum_is_decode_sum_then_encode(spec, numel):
     expected = codec.encode(m.clone(), None, step=4, bucket=1, rank=9)
     if codec.name == "signsgd" and not codec.vote:  # each block's root mean square is its scale, the signs are m's
         scales = block_root_mean_squares(m, codec.block)
-        field = slice(HEADER_BYTES, HEADER_BYTES + 4 * scales.numel())
-        assert bool((scales >= expected[field].view(torch.float32)).all())  # >= mean |m|
-        expected[field] = scales.view(torch.uint8)
+        expected[HEADER_BYTES: HEADER_BYTES + 4 * scales.numel()] = scales.view(torch.uint8)
         reference = ref_encode("signsgd", m, block=codec.block, norm_scale=True, step=4, bucket=1, rank=9)[0]
         assert torch.equal(got, reference)  # the canonical summation order, bit for bit
     assert torch.equal(got, expected)

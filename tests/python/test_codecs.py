@@ -718,6 +718,29 @@ def test_nan_and_inf(name, params, dtype):
 # Codec-specific behaviour, checked explicitly besides the reference
 # ----------------------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("block", [256, 9000, 70000])
+def test_signsgd_large_buckets_on_two_threads_match_the_reference(block):
+    """The paths the small cases above do not reach: many slices of blocks summed where they are
+    signed (block 256), several large blocks summed first, across blocks (9000) and within each
+    (70000); on two threads."""
+    n = 200_003
+    grad, residual = make_grad(n, torch.float32, seed=30), make_residual(n, torch.float32)
+    other = make_grad(n, torch.float32, seed=31)
+    torch.set_num_threads(2)
+    try:
+        lib_residual = residual.clone()
+        payload = lib_encode("signsgd", grad, lib_residual, block=block, **KEY)
+        stack = torch.stack([payload, lib_encode("signsgd", other, block=block, **dict(KEY, rank=3))])
+        sums = [lib_decode(stack, torch.float32, n, 0.5, vote) for vote in (False, True)]
+    finally:
+        torch.set_num_threads(1)
+    expected, expected_residual = ref_encode("signsgd", grad, residual, block=block, **KEY)
+    assert_payload_equal(payload, expected)
+    assert_same(lib_residual, expected_residual, "residual")
+    for vote, got in zip((False, True), sums):
+        assert_same(got, ref_decode_sum(stack, torch.float32, 0.5, vote), f"decode, vote={vote}")
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_signsgd_sign_bits_and_ties_at_zero(dtype):
     values = [0.0, -0.0, 1.0, -1.0, float("nan"), -2.0, 3.0, -0.0, 0.5, -0.5, 0.0]

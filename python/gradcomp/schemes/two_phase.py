@@ -9,7 +9,7 @@ chunk j belongs to rank j.
        with an owner-side residual of its own when the codec keeps error feedback (signsgd, topk), with
        fresh randomness when it is unbiased (terngrad, qsgd). topk keeps ceil(ratio * chunk) values of
        each chunk, so every payload has a fixed size. signsgd summing signs re-encodes with the root
-       mean square of the average as its scale, not the mean |.| its workers use: where the ranks'
+       mean square of each block of the average as its scale, not the mean |.| its workers use: where the ranks'
        signs cancel, the average's magnitudes spread, and the mean would shrink the step of every
        element (at 8 ranks on MNIST-1D, 89.2% against 94.3% uncompressed; benchmarks/README.md).
     3. An all-gather of the re-encoded chunks, padded to the largest chunk payload, gives every rank
