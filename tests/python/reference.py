@@ -285,13 +285,16 @@ def mul_saturating(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return _saturate_overflow(a, b, a * b)
 
 
+def sqrt_rn64(values: torch.Tensor) -> torch.Tensor:
+    """The correctly rounded float64 square root of each value (math.sqrt, one call per value: torch.sqrt
+    on float64 is not correctly rounded, std::sqrt(double) and CUDA's sqrt(double) are); NaN below 0."""
+    return torch.tensor([math.sqrt(v) if v >= 0 else float("nan") for v in values.tolist()], dtype=torch.float64)
+
+
 def saturated_norm(sum_of_squares: torch.Tensor) -> torch.Tensor:
-    """saturated_norm (reduce.h): the correctly rounded float64 square root (math.sqrt, one call
-    per block: torch.sqrt on float64 is not correctly rounded), rounded to fp32; a finite root
-    beyond FLT_MAX gives FLT_MAX, NaN and Inf stay."""
-    import math
-    roots = torch.tensor([math.sqrt(v) if v >= 0 else float("nan") for v in sum_of_squares.tolist()],
-                         dtype=torch.float64)
+    """saturated_norm (reduce.h): the correctly rounded float64 square root (sqrt_rn64), rounded to
+    fp32; a finite root beyond FLT_MAX gives FLT_MAX, NaN and Inf stay."""
+    roots = sqrt_rn64(sum_of_squares)
     beyond = (roots > FLT_MAX) & torch.isfinite(roots)
     return torch.where(beyond, torch.tensor(FLT_MAX, dtype=torch.float64), roots).to(torch.float32)
 
@@ -500,9 +503,7 @@ def _signsgd_body(m: torch.Tensor, block: int, norm_scale: bool = False):
     rows64 = rows.double()
     totals = canonical_sum(rows64 * rows64 if norm_scale else rows64.abs())
     means = totals / lengths.double()
-    if norm_scale:
-        means = torch.tensor([math.sqrt(v) if v >= 0 else float("nan") for v in means.tolist()], dtype=torch.float64)
-    scales = means.to(torch.float32)
+    scales = (sqrt_rn64(means) if norm_scale else means).to(torch.float32)
     positive = ~(m < 0)  # m >= 0, -0 and NaN all count as "+"
     elem_scale = scales[torch.arange(m.numel()) // block]
     decoded = torch.where(positive, elem_scale, -elem_scale)
