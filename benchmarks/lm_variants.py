@@ -3,13 +3,20 @@ it is built into a codec.
 
     python benchmarks/lm_variants.py --codecs blocksign:block=256 --seeds 0 --out DIR   # any of lm.py's options
     python benchmarks/lm_variants.py --freeze-variance-after 240 --codecs none topk:ratio=0.01 --out DIR
+    python benchmarks/lm_variants.py --spread decay --codecs topk:ratio=0.01 --out DIR
 
-blocksign:block=B[,error_feedback=0]: signsgd with one scale, the mean |m| of its block, per block of B elements
-    of the bucket; m = gradient + residual. It measured the fix before gradcomp's signsgd had its block option,
-    and stays as an independent check of that codec in training. Every rank's decoded tensor
+blocksign:block=B[,error_feedback=0][,fraction=F[,hold=1]]: signsgd with one scale, the mean |m| of its block,
+    per block of B elements of the bucket; m = gradient + residual. It measured the fix before gradcomp's signsgd
+    had its block option, and stays as an independent check of that codec in training. Every rank's decoded tensor
     is averaged by one allreduce, the arithmetic that signsgd's allgather of payloads gives; the bytes counted
-    are what such a payload would be (header, ceil(n / 8) sign bytes, one fp32 per block) under the allgather
-    scheme. Like gradcomp's hook it starts after 2 steps of plain allreduce (DDP rebuilds its buckets at step 0).
+    are what such a payload would be (header, a sign bit and 1/B of an fp32 scale per element sent) under the
+    allgather scheme. Like gradcomp's hook it starts after 2 steps of plain allreduce (DDP rebuilds its buckets at
+    step 0), counted per step.
+    fraction=F: each step only a random F of the elements, the same on every rank (a seed shared as randomk's
+    is: no index bytes), in blocks of B of them; the others decode to 0. hold=1: an element not sent repeats
+    its last average instead.
+--spread decay|hold: gradcomp's codec, its averaged gradient handed to the optimizer spread out in time by how
+    long each element went unsent (class Spread), against the bursts error feedback makes of rarely sent elements.
 --freeze-variance-after N: 1-bit Adam's recipe. N steps of plain allreduce (the hook's start_iter), then AdamW's
     second moment stops changing, so that its step becomes linear in the gradient; every codec applies.
 
@@ -37,16 +44,64 @@ PLAIN_STEPS = 2  # gradcomp.register's default start_iter
 FREEZE_ENV = "GRADCOMP_LM_FREEZE_VARIANCE_AFTER"
 # Read at import: under mp.spawn every rank imports this file again, so main's setting reaches the ranks too.
 FREEZE_AFTER = int(os.environ.get(FREEZE_ENV, "0"))
+SPREAD_ENV = "GRADCOMP_LM_SPREAD"
+SPREAD = os.environ.get(SPREAD_ENV, "")
+
+
+class Spread:
+    """Hands each element's decoded gradient to the optimizer spread over the steps it went unsent.
+
+    decay: what arrives joins a pending sum, of which 1/s leaves per step (s: the element's last gap
+        between arrivals, so a time constant of one gap); nothing is lost. hold: the last arrival divided
+        by its gap, every step until the next arrival (what it hands out is not what arrived). Both are
+        computed from the averaged gradient, the same on every rank."""
+
+    def __init__(self, state, mode: str):
+        self.state, self.mode = state, mode
+        self.buffers: dict[int, tuple] = {}
+        self.steps: dict[int, int] = {}
+
+    def apply(self, index: int, out: torch.Tensor) -> torch.Tensor:
+        step = self.steps[index] = self.steps.get(index, 0) + 1
+        buffers = self.buffers.get(index)
+        if buffers is None or buffers[0].numel() != out.numel():
+            steps = dict(dtype=torch.float32)  # exact step numbers whatever the gradient's dtype
+            buffers = self.buffers[index] = (torch.zeros_like(out), torch.full_like(out, step - 1.0, **steps),
+                                             torch.ones_like(out, **steps))
+        carried, last_arrival, gap = buffers  # pending (decay) or held (hold) values; step numbers
+        arrived = out != 0
+        gap.copy_(torch.where(arrived, step - last_arrival, gap))
+        last_arrival.masked_fill_(arrived, float(step))
+        if self.mode == "decay":
+            carried.add_(out)
+            out.copy_(carried / gap)
+            carried.sub_(out)
+        else:
+            carried.copy_(torch.where(arrived, out / gap, carried))
+            out.copy_(carried)
+        return out
+
+
+def spread_hook(spread: Spread, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    past_warmup = spread.state.iter >= spread.state.start_iter  # read first: the hook counts the step at its end
+    future = gradcomp.hook(spread.state, bucket)
+    if not past_warmup:  # a bucket sent plain later on is dense: a gap of 1 everywhere, handed on as it is
+        return future
+    index = bucket.index()
+    return future.then(lambda done: spread.apply(index, done.value()))
 
 
 class BlockSignState:
     """Per-bucket residuals and byte counts, with the part of CompressionState's interface lm.train_one reads."""
 
-    def __init__(self, spec: str, block: int, error_feedback: bool, world: int, plain_steps: int):
+    def __init__(self, spec: str, block: int, error_feedback: bool, fraction: float, hold: bool, world: int,
+                 plain_steps: int):
         self.spec, self.block, self.error_feedback, self.world = spec, block, error_feedback, world
+        self.fraction, self.hold = fraction, hold
+        self.held: dict[int, torch.Tensor] = {}
         self.plain_steps = plain_steps
         self.residuals: dict[int, torch.Tensor] = {}
-        self.steps_seen: dict[int, int] = {}
+        self.step = 0  # counted per step, as gradcomp's hook does: a bucket DDP adds at its rebuild is no later
         self.raw_bytes = self.wire_bytes = 0
 
     def stats(self) -> dict:
@@ -64,13 +119,24 @@ def block_sign_decoded(m: torch.Tensor, block: int) -> torch.Tensor:
     return torch.where(padded >= 0, scale, -scale).flatten()[:n]
 
 
+def sparse_block_sign_decoded(m: torch.Tensor, block: int, sent: torch.Tensor) -> torch.Tensor:
+    """block_sign_decoded of the elements `sent` (a mask), in their order, blocks of `block` of them; 0 elsewhere."""
+    decoded = torch.zeros_like(m)
+    count = int(sent.sum())
+    if count:
+        decoded[sent] = block_sign_decoded(m[sent], min(block, count))
+    return decoded
+
+
 def block_sign_hook(state: BlockSignState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     grad = bucket.buffer()
-    n, index = grad.numel(), bucket.index()
-    state.steps_seen[index] = state.steps_seen.get(index, 0) + 1
+    n, index, step = grad.numel(), bucket.index(), state.step
+    if bucket.is_last():
+        state.step += 1
     raw = ring_allreduce_bytes(n * grad.element_size(), state.world)
     state.raw_bytes += raw
-    if state.steps_seen[index] <= state.plain_steps:
+    sent = None
+    if step < state.plain_steps:
         state.wire_bytes += raw
     else:
         m = grad
@@ -79,39 +145,70 @@ def block_sign_hook(state: BlockSignState, bucket: dist.GradBucket) -> torch.fut
             if residual is None or residual.numel() != n:  # DDP rebuilt its buckets
                 residual = state.residuals[index] = torch.zeros_like(grad)
             m = grad + residual
-        decoded = block_sign_decoded(m, min(state.block, n))
+        if state.fraction < 1:  # the same random elements on every rank: their indices need no bytes
+            generator = torch.Generator().manual_seed(step * 1_000_003 + index)
+            sent = torch.rand(n, generator=generator) < state.fraction
+            signs, decoded = int(sent.sum()), sparse_block_sign_decoded(m, state.block, sent)
+        else:
+            signs, decoded = n, block_sign_decoded(m, min(state.block, n))
         if state.error_feedback:
             residual.copy_(m - decoded)
-        body = 4 * -(-n // state.block) + -(-n // 8)  # the scales, then the sign bits
+        body = 4 * -(-signs // state.block) + -(-signs // 8)  # the scales, then the sign bits
         payload = -(-(_C.header_bytes + body) // _C.payload_align) * _C.payload_align
         state.wire_bytes += (state.world - 1) * payload  # every rank's payload to every other rank
         grad.copy_(decoded)
     grad.div_(state.world)
-    return dist.all_reduce(grad, async_op=True).get_future().then(lambda fut: fut.value()[0])
+    future = dist.all_reduce(grad, async_op=True).get_future().then(lambda fut: fut.value()[0])
+    if sent is None or not state.hold:
+        return future
+    held = state.held.get(index)
+    if held is None or held.numel() != n:
+        held = state.held[index] = torch.zeros_like(grad)
+
+    def hold_unsent(done):  # every element keeps its last average until it is sent again
+        average = done.value()
+        held[sent] = average[sent]
+        return average.copy_(held)
+
+    return future.then(hold_unsent)
 
 
-def parse_block_sign(spec: str) -> tuple[int, bool]:
+def parse_block_sign(spec: str) -> tuple[int, bool, float, bool]:
     options = dict(kv.split("=", 1) for kv in spec.partition(":")[2].split(",") if kv)
-    unknown = set(options) - {"block", "error_feedback"}
+    unknown = set(options) - {"block", "error_feedback", "fraction", "hold"}
     if unknown:
-        raise ValueError(f"blocksign: unknown option(s) {sorted(unknown)}; valid: block, error_feedback")
-    block = int(options.get("block", 256))
+        raise ValueError(f"blocksign: unknown option(s) {sorted(unknown)}; valid: block, error_feedback, fraction, "
+                         "hold")
+    block, fraction = int(options.get("block", 256)), float(options.get("fraction", 1))
     if block < 1:
         raise ValueError(f"blocksign: block must be at least 1, got {block}")
-    return block, options.get("error_feedback", "1") not in ("0", "False", "false")
+    if not 0 < fraction <= 1:
+        raise ValueError(f"blocksign: fraction must be in (0, 1], got {fraction}")
+    error_feedback = options.get("error_feedback", "1") not in ("0", "False", "false")
+    hold = options.get("hold", "0") not in ("0", "False", "false")
+    if hold and (fraction == 1 or error_feedback):  # with error feedback, what it repeats would be sent again
+        raise ValueError("blocksign: hold=1 repeats the elements a step does not send: give a fraction below 1 "
+                         "and error_feedback=0")
+    return block, error_feedback, fraction, hold
 
 
 def register_codec(ddp, spec: str, scheme: str):
     plain_steps = max(FREEZE_AFTER, PLAIN_STEPS)
+    if SPREAD:
+        state = gradcomp.CompressionState(spec, scheme=scheme, start_iter=plain_steps, model=ddp.module)
+        ddp.register_comm_hook(Spread(state, SPREAD), spread_hook)
+        return state
     if not spec.startswith("blocksign"):
         return gradcomp.register(ddp, spec, scheme=scheme, start_iter=plain_steps)
-    block, error_feedback = parse_block_sign(spec)
-    state = BlockSignState(spec, block, error_feedback, dist.get_world_size(), plain_steps)
+    block, error_feedback, fraction, hold = parse_block_sign(spec)
+    state = BlockSignState(spec, block, error_feedback, fraction, hold, dist.get_world_size(), plain_steps)
     ddp.register_comm_hook(state, block_sign_hook)
     return state
 
 
 def check_spec(spec: str) -> None:
+    if spec.startswith("blocksign") and SPREAD:
+        raise ValueError("--spread applies to gradcomp's codecs, not to blocksign")
     if spec.startswith("blocksign"):
         parse_block_sign(spec)
     else:
@@ -164,12 +261,14 @@ lm.register_codec, lm.check_spec, lm.make_optimizer = register_codec, check_spec
 
 
 def main() -> None:
-    global FREEZE_AFTER
+    global FREEZE_AFTER, SPREAD
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--freeze-variance-after", type=int, default=0)
+    parser.add_argument("--spread", choices=["decay", "hold"], default="")
     known, rest = parser.parse_known_args()
     if known.freeze_variance_after < 0:
         raise SystemExit(f"--freeze-variance-after must be >= 0, got {known.freeze_variance_after}")
+    os.environ[SPREAD_ENV] = SPREAD = known.spread  # before lm.parse_args, whose check_spec reads it
     args = lm.parse_args(rest)
     if known.freeze_variance_after and args.config.optimizer != "adamw":
         raise SystemExit("--freeze-variance-after applies to AdamW, not to --optimizer sgd")
@@ -182,7 +281,8 @@ def main() -> None:
         path = os.path.join(args.out, "lm" + ("_quick" if args.quick else "") + ".json")
         with open(path) as f:
             report = json.load(f)
-        report["variants"] = {"freeze_variance_after": FREEZE_AFTER, "plain_steps": max(FREEZE_AFTER, PLAIN_STEPS)}
+        report["variants"] = {"freeze_variance_after": FREEZE_AFTER, "spread": SPREAD,
+                              "plain_steps": max(FREEZE_AFTER, PLAIN_STEPS)}
         with open(path, "w") as f:
             json.dump(report, f, indent=1)
 

@@ -193,11 +193,76 @@ def test_lm_variants_block_sign_trains_as_signsgd_with_blocks_does(tmp_path):
     run_script(BENCHMARKS / "lm_variants.py", "--quick", "--codecs", "signsgd:block=64", "blocksign:block=64",
                "--out", tmp_path)
     report = json.loads((tmp_path / "lm_quick.json").read_text())
-    assert report["variants"] == {"freeze_variance_after": 0, "plain_steps": 2}
+    assert report["variants"] == {"freeze_variance_after": 0, "spread": "", "plain_steps": 2}
     rows = {row["spec"]: row for row in report["summary"]}
     signsgd, stand_in = rows["signsgd:block=64"], rows["blocksign:block=64"]
     assert math.isclose(stand_in["ppl_mean"], signsgd["ppl_mean"], rel_tol=1e-3)
     assert math.isclose(stand_in["ratio"], signsgd["ratio"], rel_tol=1e-2)
+
+
+def test_lm_variants_sparse_block_sign_signs_only_the_elements_sent_in_blocks_of_their_own():
+    variants = load_benchmark("lm_variants.py")
+    m = torch.tensor([1.0, -3.0, 2.0, -2.0, 0.0, 5.0, -0.5])
+    sent = torch.tensor([True, False, True, True, False, False, True])
+    # the elements sent are 1, 2, -2, -0.5: blocks [1, 2] and [-2, -0.5], means 1.5 and 1.25
+    expected = torch.tensor([1.5, 0.0, 1.5, -1.25, 0.0, 0.0, -1.25])
+    assert torch.equal(variants.sparse_block_sign_decoded(m, 2, sent), expected)
+    assert torch.equal(variants.sparse_block_sign_decoded(m, 2, torch.zeros(7, dtype=torch.bool)), torch.zeros(7))
+    for bad, message in (("fraction=0", r"fraction must be in \(0, 1\], got 0.0"),
+                         ("fraction=1.5", r"fraction must be in \(0, 1\], got 1.5")):
+        with pytest.raises(ValueError, match=message):
+            variants.check_spec(f"blocksign:{bad}")
+    for bad in ("hold=1", "fraction=0.5,hold=1"):  # with all elements sent, or with error feedback
+        with pytest.raises(ValueError, match="hold=1 .* give a fraction below 1 and error_feedback=0"):
+            variants.check_spec(f"blocksign:{bad}")
+
+
+def test_lm_variants_spread_hands_an_arrival_out_by_the_gap_it_closed():
+    variants = load_benchmark("lm_variants.py")
+    # element 0 arrives at step 3 (6, a gap of 3 steps) and step 5 (2, a gap of 2); element 1 at step 1 (4, a gap of 1)
+    arrivals = [[0.0, 4.0], [0.0, 0.0], [6.0, 0.0], [0.0, 0.0], [2.0, 0.0]] + [[0.0, 0.0]] * 3
+    decay, hold = variants.Spread(None, "decay"), variants.Spread(None, "hold")
+    decayed = [decay.apply(0, torch.tensor(a)).clone() for a in arrivals]
+    held = [hold.apply(0, torch.tensor(a)).clone() for a in arrivals]
+    # decay: 1/gap of what is pending leaves each step (pending 6, 4, 8/3 + 2, 7/3, ...), and nothing is lost
+    expected = [0.0, 0.0, 2.0, 4 / 3, 7 / 3, 7 / 6, 7 / 12, 7 / 24]
+    assert all(math.isclose(float(d[0]), e, rel_tol=1e-6) for d, e in zip(decayed, expected))
+    pending = decay.buffers[0][0]  # what decay still holds back
+    assert math.isclose(sum(float(d[0]) for d in decayed) + float(pending[0]), 8.0, rel_tol=1e-6)
+    assert [float(d[1]) for d in decayed] == [4.0] + [0.0] * 7  # a gap of 1: handed out at once
+    # hold: the arrival over its gap, every step until the next arrival
+    assert [float(h[0]) for h in held] == [0.0, 0.0, 2.0, 2.0, 1.0, 1.0, 1.0, 1.0]
+    assert [float(h[1]) for h in held] == [4.0] * 8
+
+
+def test_lm_variants_spread_and_fraction_train(tmp_path, monkeypatch):
+    variants = load_benchmark("lm_variants.py")
+    monkeypatch.setattr(variants, "SPREAD", "decay")
+    with pytest.raises(ValueError, match="--spread applies to gradcomp's codecs, not to blocksign"):
+        variants.check_spec("blocksign:block=64")
+    topk = "topk:ratio=0.01"
+    run_script(BENCHMARKS / "lm_variants.py", "--quick", "--spread", "decay", "--codecs", topk,
+               "--out", tmp_path / "spread")
+    spread = json.loads((tmp_path / "spread" / "lm_quick.json").read_text())
+    assert spread["variants"]["spread"] == "decay"
+    fraction, whole = "blocksign:block=64,error_feedback=0,fraction=0.25", "blocksign:block=64,error_feedback=0"
+    held = fraction + ",hold=1"
+    run_script(BENCHMARKS / "lm_variants.py", "--quick", "--codecs", topk, fraction, held, whole,
+               "--out", tmp_path / "plain")
+    report = json.loads((tmp_path / "plain" / "lm_quick.json").read_text())
+    rows = {row["spec"]: row for row in report["summary"]}
+    assert all(math.isfinite(row["ppl_mean"]) and row["ppl_mean"] < 512 for row in rows.values())  # vocab 512
+    # the spread changes what AdamW sees, and holding changes what the unsent elements get
+    assert spread["summary"][0]["ppl_mean"] != rows[topk]["ppl_mean"]
+    assert rows[held]["ppl_mean"] != rows[fraction]["ppl_mean"]
+    assert rows[held]["wire_bytes_per_step"] == rows[fraction]["wire_bytes_per_step"]
+    steps, plain = report["model"]["steps"], report["variants"]["plain_steps"]
+
+    def compressed_bytes(row):
+        return row["wire_bytes_per_step"] * steps - plain * row["raw_bytes_per_step"]
+
+    # about a quarter of the signs and scales (and a header per payload)
+    assert 0.2 < compressed_bytes(rows[fraction]) / compressed_bytes(rows[whole]) < 0.35
 
 
 def test_lm_variants_frozen_variance_adamw_is_adamw_until_it_freezes():
