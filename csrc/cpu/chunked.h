@@ -196,6 +196,20 @@ bool sum_may_overflow(const DecodeArgs& a, Multiplier&& multiplier) {
   return bound > 0x1.0p+126;
 }
 
+// sum_payloads with add(payload, begin, len, acc, saturate), saturate std::true_type only where
+// sum_may_overflow(a, multiplier) says plain adds could give other bits than saturating ones, else
+// std::false_type (the plain, faster adds).
+template <typename T, typename Multiplier, typename AddPayload>
+void sum_payloads_overflow_checked(const DecodeArgs& a, int64_t numel, Multiplier&& multiplier, AddPayload&& add) {
+  const auto sum = [&](auto saturate) {
+    sum_payloads<T>(a, numel, [&](const uint8_t* payload, int64_t begin, int64_t len, float* acc) {
+      add(payload, begin, len, acc, saturate);
+    });
+  };
+  if (sum_may_overflow(a, multiplier)) sum(std::true_type{});
+  else sum(std::false_type{});
+}
+
 template <typename T>
 inline const T* field(const uint8_t* payload, int64_t offset) {
   return reinterpret_cast<const T*>(payload + offset);
@@ -212,14 +226,11 @@ inline T* field(uint8_t* payload, int64_t offset) {
 template <typename T, int kPerByte>
 void sum_scaled_byte_codes(const DecodeArgs& a, int64_t numel, const float (*table)[kPerByte], int64_t codes_offset) {
   const auto multiplier = [&](const uint8_t* payload) { return a.alpha * *field<float>(payload, kHeaderBytes); };
-  const auto sum = [&](auto saturate) {
-    sum_payloads<T>(a, numel, [&](const uint8_t* payload, int64_t begin, int64_t len, float* acc) {
-      add_byte_codes<kPerByte, decltype(saturate)::value>(table, payload + codes_offset + begin / kPerByte, len,
-                                                          multiplier(payload), acc);
-    });
-  };
-  if (sum_may_overflow(a, multiplier)) sum(std::true_type{});
-  else sum(std::false_type{});
+  sum_payloads_overflow_checked<T>(
+      a, numel, multiplier, [&](const uint8_t* payload, int64_t begin, int64_t len, float* acc, auto saturate) {
+        add_byte_codes<kPerByte, decltype(saturate)::value>(table, payload + codes_offset + begin / kPerByte, len,
+                                                            multiplier(payload), acc);
+      });
 }
 
 }  // namespace gradcomp

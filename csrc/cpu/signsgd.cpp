@@ -126,23 +126,18 @@ void decode_typed(const DecodeArgs& a, const PayloadHeader& h) {
   const int64_t codes = body_layout(h).codes, block = h.param1, blocks = ceil_div(h.numel, block);
   const auto scale_at = [&](const uint8_t* payload, int64_t b) { return a.alpha * field<float>(payload, kHeaderBytes)[b]; };
   if (!a.vote) {
-    const auto sum = [&](auto saturate) {
-      constexpr bool kSaturate = decltype(saturate)::value;
-      sum_payloads<T>(a, h.numel, [&](const uint8_t* payload, int64_t begin, int64_t len, float* acc) {
-        float signs[kDecodeChunk] = {};  // +1 or -1 (exact), then scaled per block run
-        add_byte_codes<8, false>(byte_tables().sign, payload + codes + begin / 8, len, 1.0f, signs);
-        for_block_runs(begin, len, block, [&](int64_t first, int64_t end, int64_t b) {
-          const float scale = scale_at(payload, b);
-          for (int64_t i = first - begin; i < end - begin; ++i)
-            acc[i] = kSaturate ? add_saturating(acc[i], signs[i] * scale) : acc[i] + signs[i] * scale;
+    const auto largest = [&](const uint8_t* payload) { return largest_finite_multiplier(payload, blocks, a.alpha); };
+    sum_payloads_overflow_checked<T>(
+        a, h.numel, largest, [&](const uint8_t* payload, int64_t begin, int64_t len, float* acc, auto saturate) {
+          constexpr bool kSaturate = decltype(saturate)::value;
+          float signs[kDecodeChunk] = {};  // +1 or -1 (exact), then scaled per block run
+          add_byte_codes<8, false>(byte_tables().sign, payload + codes + begin / 8, len, 1.0f, signs);
+          for_block_runs(begin, len, block, [&](int64_t first, int64_t end, int64_t b) {
+            const float scale = scale_at(payload, b);
+            for (int64_t i = first - begin; i < end - begin; ++i)
+              acc[i] = kSaturate ? add_saturating(acc[i], signs[i] * scale) : acc[i] + signs[i] * scale;
+          });
         });
-      });
-    };
-    // Plain adds give the same bits where no sum can overflow (see sum_may_overflow).
-    if (sum_may_overflow(a, [&](const uint8_t* payload) { return largest_finite_multiplier(payload, blocks, a.alpha); }))
-      sum(std::true_type{});
-    else
-      sum(std::false_type{});
     return;
   }
   T* out = static_cast<T*>(a.out);

@@ -5,7 +5,6 @@ the owners', stats count the bytes each rank sends, resume is bit-identical, and
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
