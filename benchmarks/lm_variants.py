@@ -4,24 +4,36 @@ it is built into a codec.
     python benchmarks/lm_variants.py --codecs blocksign:block=256 --seeds 0 --out DIR   # any of lm.py's options
     python benchmarks/lm_variants.py --freeze-variance-after 240 --codecs none topk:ratio=0.01 --out DIR
     python benchmarks/lm_variants.py --spread decay --codecs topk:ratio=0.01 --out DIR
+    python benchmarks/lm_variants.py --plain-steps 30 --codecs signsgd:error_feedback=false --out DIR
+    python benchmarks/lm_variants.py --codecs scaledtopk:ratio=0.01,by=none,warmup=120 --out DIR
 
 blocksign:block=B[,error_feedback=0][,fraction=F[,hold=1]]: signsgd with one scale, the mean |m| of its block,
     per block of B elements of the bucket; m = gradient + residual. It measured the fix before gradcomp's signsgd
     had its block option, and stays as an independent check of that codec in training. Every rank's decoded tensor
     is averaged by one allreduce, the arithmetic that signsgd's allgather of payloads gives; the bytes counted
     are what such a payload would be (header, a sign bit and 1/B of an fp32 scale per element sent) under the
-    allgather scheme. Like gradcomp's hook it starts after 2 steps of plain allreduce (DDP rebuilds its buckets at
-    step 0), counted per step.
+    allgather scheme. Like gradcomp's hook it starts after --plain-steps steps of plain allreduce (2: DDP rebuilds
+    its buckets at step 0), counted per step.
     fraction=F: each step only a random F of the elements, the same on every rank (a seed shared as randomk's
     is: no index bytes), in blocks of B of them; the others decode to 0. hold=1: an element not sent repeats
     its last average instead.
+    momentum=M: the signs of this rank's running mean of its gradient (M on the old mean, 1 - M on the gradient)
+    instead of the gradient's.
+scaledtopk:ratio=R[,by=element|tensor|none][,warmup=N][,keep=K]: topk with error feedback, its k = ceil(R n) elements
+    chosen by |m| over this rank's running RMS of the gradient (beta 0.95, as AdamW's second moment), per element
+    (by=element, the default) or per parameter (by=tensor), or by |m| alone (by=none: gradcomp's topk, whose
+    bytes it counts). warmup=N: DGC's sparsity warm-up, the ratio falling exponentially from 0.25 to R over
+    the first N compressed steps. keep=K: the residual is multiplied by K each step (1: error feedback, 0: none),
+    so that mass left unsent for long fades.
+--plain-steps N: N steps of plain allreduce before any codec starts (gradcomp.register's start_iter; default 2; with
+    --freeze-variance-after, the larger of the two).
 --spread decay|hold: gradcomp's codec, its averaged gradient handed to the optimizer spread out in time by how
     long each element went unsent (class Spread), against the bursts error feedback makes of rarely sent elements.
 --freeze-variance-after N: 1-bit Adam's recipe. N steps of plain allreduce (the hook's start_iter), then AdamW's
     second moment stops changing, so that its step becomes linear in the gradient; every codec applies.
 
-Specs other than blocksign go to gradcomp as in lm.py. Results are lm.{json,csv,png} in --out: give a folder of
-their own, not benchmarks/results.
+Specs other than blocksign and scaledtopk go to gradcomp as in lm.py. Results are lm.{json,csv,png} in --out: give
+a folder of their own, not benchmarks/results.
 """
 
 import argparse
@@ -39,7 +51,8 @@ import gradcomp  # noqa: E402
 from gradcomp._ops import _C  # noqa: E402
 from gradcomp.schemes.base import ring_allreduce_bytes  # noqa: E402
 
-PLAIN_STEPS = 2  # gradcomp.register's default start_iter
+PLAIN_STEPS_ENV = "GRADCOMP_LM_PLAIN_STEPS"
+PLAIN_STEPS = int(os.environ.get(PLAIN_STEPS_ENV, "2"))  # default: gradcomp.register's start_iter
 
 FREEZE_ENV = "GRADCOMP_LM_FREEZE_VARIANCE_AFTER"
 # Read at import: under mp.spawn every rank imports this file again, so main's setting reaches the ranks too.
@@ -94,10 +107,11 @@ def spread_hook(spread: Spread, bucket: dist.GradBucket) -> torch.futures.Future
 class BlockSignState:
     """Per-bucket residuals and byte counts, with the part of CompressionState's interface lm.train_one reads."""
 
-    def __init__(self, spec: str, block: int, error_feedback: bool, fraction: float, hold: bool, world: int,
-                 plain_steps: int):
+    def __init__(self, spec: str, block: int, error_feedback: bool, fraction: float, hold: bool, momentum: float,
+                 world: int, plain_steps: int):
         self.spec, self.block, self.error_feedback, self.world = spec, block, error_feedback, world
-        self.fraction, self.hold = fraction, hold
+        self.fraction, self.hold, self.momentum = fraction, hold, momentum
+        self.momenta: dict[int, torch.Tensor] = {}
         self.held: dict[int, torch.Tensor] = {}
         self.plain_steps = plain_steps
         self.residuals: dict[int, torch.Tensor] = {}
@@ -128,23 +142,46 @@ def sparse_block_sign_decoded(m: torch.Tensor, block: int, sent: torch.Tensor) -
     return decoded
 
 
-def block_sign_hook(state: BlockSignState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def local_momentum(state: BlockSignState, index: int, grad: torch.Tensor) -> torch.Tensor:
+    """This rank's running mean of its own gradient (its weight on the newest: 1 - momentum), plain steps included.
+    Should DDP re-lay a bucket after step 0 without changing its size, step 0's part sits on other elements and
+    fades by `momentum` per step."""
+    mean = state.momenta.get(index)
+    if mean is None or mean.numel() != grad.numel():  # DDP rebuilt its buckets
+        mean = state.momenta[index] = grad.clone()
+        return mean
+    return mean.mul_(state.momentum).add_(grad, alpha=1 - state.momentum)
+
+
+def begin_bucket(state, bucket: dist.GradBucket) -> tuple[torch.Tensor, int, int, int, int]:
+    """The bucket's gradient, size, index and step (counted per step, as gradcomp's hook does: a bucket DDP adds at
+    its rebuild is no later), and the bytes plain allreduce would send for it, added to the state's count."""
     grad = bucket.buffer()
-    n, index, step = grad.numel(), bucket.index(), state.step
+    step = state.step
     if bucket.is_last():
         state.step += 1
-    raw = ring_allreduce_bytes(n * grad.element_size(), state.world)
+    raw = ring_allreduce_bytes(grad.numel() * grad.element_size(), state.world)
     state.raw_bytes += raw
+    return grad, grad.numel(), bucket.index(), step, raw
+
+
+def aligned_payload(body_bytes: int) -> int:
+    return -(-(_C.header_bytes + body_bytes) // _C.payload_align) * _C.payload_align
+
+
+def block_sign_hook(state: BlockSignState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    grad, n, index, step, raw = begin_bucket(state, bucket)
     sent = None
+    signal = local_momentum(state, index, grad) if state.momentum else grad
     if step < state.plain_steps:
         state.wire_bytes += raw
     else:
-        m = grad
+        m = signal
         if state.error_feedback:
             residual = state.residuals.get(index)
             if residual is None or residual.numel() != n:  # DDP rebuilt its buckets
                 residual = state.residuals[index] = torch.zeros_like(grad)
-            m = grad + residual
+            m = signal + residual
         if state.fraction < 1:  # the same random elements on every rank: their indices need no bytes
             generator = torch.Generator().manual_seed(step * 1_000_003 + index)
             sent = torch.rand(n, generator=generator) < state.fraction
@@ -154,7 +191,7 @@ def block_sign_hook(state: BlockSignState, bucket: dist.GradBucket) -> torch.fut
         if state.error_feedback:
             residual.copy_(m - decoded)
         body = 4 * -(-signs // state.block) + -(-signs // 8)  # the scales, then the sign bits
-        payload = -(-(_C.header_bytes + body) // _C.payload_align) * _C.payload_align
+        payload = aligned_payload(body)
         state.wire_bytes += (state.world - 1) * payload  # every rank's payload to every other rank
         grad.copy_(decoded)
     grad.div_(state.world)
@@ -173,12 +210,15 @@ def block_sign_hook(state: BlockSignState, bucket: dist.GradBucket) -> torch.fut
     return future.then(hold_unsent)
 
 
-def parse_block_sign(spec: str) -> tuple[int, bool, float, bool]:
+def parse_block_sign(spec: str) -> tuple[int, bool, float, bool, float]:
     options = dict(kv.split("=", 1) for kv in spec.partition(":")[2].split(",") if kv)
-    unknown = set(options) - {"block", "error_feedback", "fraction", "hold"}
+    unknown = set(options) - {"block", "error_feedback", "fraction", "hold", "momentum"}
     if unknown:
         raise ValueError(f"blocksign: unknown option(s) {sorted(unknown)}; valid: block, error_feedback, fraction, "
-                         "hold")
+                         "hold, momentum")
+    momentum = float(options.get("momentum", 0))
+    if not 0 <= momentum < 1:
+        raise ValueError(f"blocksign: momentum must be in [0, 1), got {momentum}")
     block, fraction = int(options.get("block", 256)), float(options.get("fraction", 1))
     if block < 1:
         raise ValueError(f"blocksign: block must be at least 1, got {block}")
@@ -189,7 +229,105 @@ def parse_block_sign(spec: str) -> tuple[int, bool, float, bool]:
     if hold and (fraction == 1 or error_feedback):  # with error feedback, what it repeats would be sent again
         raise ValueError("blocksign: hold=1 repeats the elements a step does not send: give a fraction below 1 "
                          "and error_feedback=0")
-    return block, error_feedback, fraction, hold
+    return block, error_feedback, fraction, hold, momentum
+
+
+class ScaledTopKState:
+    """Per-bucket residuals, running gradient RMS and byte counts for scaledtopk, with lm.train_one's interface."""
+
+    def __init__(self, spec: str, ratio: float, by: str, warmup: int, keep: float, world: int, plain_steps: int):
+        self.spec, self.ratio, self.by, self.world, self.plain_steps = spec, ratio, by, world, plain_steps
+        self.warmup, self.keep = warmup, keep
+        self.residuals: dict[int, torch.Tensor] = {}
+        self.mean_squares: dict[int, torch.Tensor] = {}
+        self.step = 0
+        self.raw_bytes = self.wire_bytes = 0
+
+    stats = BlockSignState.stats
+
+
+SCALE_BETA = 0.95  # AdamW's beta2 in lm.py: the scale is the RMS AdamW would divide this rank's gradient by
+
+
+def tensor_mean_squares(grad: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """Each parameter's mean squared gradient, repeated over its elements."""
+    means = torch.stack([part.square().mean() for part in grad.split(sizes)])
+    return means.repeat_interleave(torch.tensor(sizes, device=grad.device))
+
+
+def scaled_top_k_sent(m: torch.Tensor, mean_square: torch.Tensor | None, k: int) -> torch.Tensor:
+    """m's k elements of largest |m| / sqrt(mean_square) (of largest |m| without it), 0 elsewhere."""
+    score = m.abs() if mean_square is None else m.abs() / mean_square.sqrt().clamp_min(1e-30)
+    chosen = score.topk(k, sorted=False).indices
+    sent = torch.zeros_like(m)
+    sent[chosen] = m[chosen]
+    return sent
+
+
+def running_mean_square(state: ScaledTopKState, bucket: dist.GradBucket) -> torch.Tensor:
+    """This rank's running mean of the squared gradient, per element or per parameter, plain steps included (see
+    local_momentum on DDP's re-laid buckets)."""
+    grad, index = bucket.buffer(), bucket.index()
+    if state.by == "tensor":
+        sizes = [p.numel() for p in bucket.parameters()]
+        if sum(sizes) != grad.numel():
+            raise RuntimeError(f"scaledtopk: bucket {index} holds {grad.numel()} elements, its parameters "
+                               f"{sum(sizes)}")
+        squares = tensor_mean_squares(grad, sizes)
+    else:
+        squares = grad.square()
+    mean_square = state.mean_squares.get(index)
+    if mean_square is None or mean_square.numel() != grad.numel():  # DDP rebuilt its buckets
+        state.mean_squares[index] = squares
+        return squares
+    return mean_square.mul_(SCALE_BETA).add_(squares, alpha=1 - SCALE_BETA)
+
+
+def scaled_top_k_hook(state: ScaledTopKState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    grad, n, index, step, raw = begin_bucket(state, bucket)
+    mean_square = None if state.by == "none" else running_mean_square(state, bucket)
+    if step < state.plain_steps:
+        state.wire_bytes += raw
+    else:
+        residual = state.residuals.get(index)
+        if residual is None or residual.numel() != n:
+            residual = state.residuals[index] = torch.zeros_like(grad)
+        m = grad + residual
+        k = gradcomp.codecs.count_for_ratio(warmed_up_ratio(state.ratio, state.warmup, step - state.plain_steps), n)
+        sent = scaled_top_k_sent(m, mean_square, k)
+        torch.sub(m, sent, out=residual).mul_(state.keep)
+        payload = aligned_payload(8 * k)  # topk's: k int32 indices, then k fp32 values
+        state.wire_bytes += (state.world - 1) * payload
+        grad.copy_(sent)
+    grad.div_(state.world)
+    return dist.all_reduce(grad, async_op=True).get_future().then(lambda fut: fut.value()[0])
+
+
+WARMUP_START_RATIO = 0.25  # DGC's sparsity warm-up: 75% sparse at first, falling exponentially to the target
+
+
+def warmed_up_ratio(ratio: float, warmup: int, compressed_step: int) -> float:
+    if compressed_step >= warmup or ratio >= WARMUP_START_RATIO:
+        return ratio
+    return WARMUP_START_RATIO * (ratio / WARMUP_START_RATIO) ** (compressed_step / warmup)
+
+
+def parse_scaled_top_k(spec: str) -> tuple[float, str, int, float]:
+    options = dict(kv.split("=", 1) for kv in spec.partition(":")[2].split(",") if kv)
+    unknown = set(options) - {"ratio", "by", "warmup", "keep"}
+    if unknown:
+        raise ValueError(f"scaledtopk: unknown option(s) {sorted(unknown)}; valid: ratio, by, warmup, keep")
+    ratio, by, warmup = float(options.get("ratio", 0.01)), options.get("by", "element"), int(options.get("warmup", 0))
+    keep = float(options.get("keep", 1))
+    if warmup < 0:
+        raise ValueError(f"scaledtopk: warmup must be >= 0 steps, got {warmup}")
+    if not 0 <= keep <= 1:
+        raise ValueError(f"scaledtopk: keep must be in [0, 1], got {keep}")
+    if not 0 < ratio <= 1:
+        raise ValueError(f"scaledtopk: ratio must be in (0, 1], got {ratio}")
+    if by not in ("element", "tensor", "none"):
+        raise ValueError(f"scaledtopk: by must be element, tensor or none, got {by!r}")
+    return ratio, by, warmup, keep
 
 
 def register_codec(ddp, spec: str, scheme: str):
@@ -198,19 +336,27 @@ def register_codec(ddp, spec: str, scheme: str):
         state = gradcomp.CompressionState(spec, scheme=scheme, start_iter=plain_steps, model=ddp.module)
         ddp.register_comm_hook(Spread(state, SPREAD), spread_hook)
         return state
+    if spec.startswith("scaledtopk"):
+        ratio, by, warmup, keep = parse_scaled_top_k(spec)
+        state = ScaledTopKState(spec, ratio, by, warmup, keep, dist.get_world_size(), plain_steps)
+        ddp.register_comm_hook(state, scaled_top_k_hook)
+        return state
     if not spec.startswith("blocksign"):
         return gradcomp.register(ddp, spec, scheme=scheme, start_iter=plain_steps)
-    block, error_feedback, fraction, hold = parse_block_sign(spec)
-    state = BlockSignState(spec, block, error_feedback, fraction, hold, dist.get_world_size(), plain_steps)
+    block, error_feedback, fraction, hold, momentum = parse_block_sign(spec)
+    state = BlockSignState(spec, block, error_feedback, fraction, hold, momentum, dist.get_world_size(),
+                           plain_steps)
     ddp.register_comm_hook(state, block_sign_hook)
     return state
 
 
 def check_spec(spec: str) -> None:
-    if spec.startswith("blocksign") and SPREAD:
-        raise ValueError("--spread applies to gradcomp's codecs, not to blocksign")
+    if spec.startswith(("blocksign", "scaledtopk")) and SPREAD:
+        raise ValueError("--spread applies to gradcomp's codecs, not to blocksign or scaledtopk")
     if spec.startswith("blocksign"):
         parse_block_sign(spec)
+    elif spec.startswith("scaledtopk"):
+        parse_scaled_top_k(spec)
     else:
         gradcomp.codec(spec)
 
@@ -261,13 +407,18 @@ lm.register_codec, lm.check_spec, lm.make_optimizer = register_codec, check_spec
 
 
 def main() -> None:
-    global FREEZE_AFTER, SPREAD
+    global FREEZE_AFTER, SPREAD, PLAIN_STEPS
     parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--plain-steps", type=int, default=PLAIN_STEPS)
     parser.add_argument("--freeze-variance-after", type=int, default=0)
     parser.add_argument("--spread", choices=["decay", "hold"], default="")
     known, rest = parser.parse_known_args()
     if known.freeze_variance_after < 0:
         raise SystemExit(f"--freeze-variance-after must be >= 0, got {known.freeze_variance_after}")
+    if known.plain_steps < 2:  # as the hook's start_iter: no codec before DDP has rebuilt its buckets after step 0
+        raise SystemExit(f"--plain-steps must be >= 2, got {known.plain_steps}")
+    os.environ[PLAIN_STEPS_ENV] = str(known.plain_steps)
+    PLAIN_STEPS = known.plain_steps
     os.environ[SPREAD_ENV] = SPREAD = known.spread  # before lm.parse_args, whose check_spec reads it
     args = lm.parse_args(rest)
     if known.freeze_variance_after and args.config.optimizer != "adamw":
@@ -276,13 +427,19 @@ def main() -> None:
     FREEZE_AFTER = known.freeze_variance_after
     if "--out" not in rest and not any(a.startswith("--out=") for a in rest):
         raise SystemExit("lm_variants.py: give --out DIR (a folder of its own, not benchmarks/results)")
+    variants = {"freeze_variance_after": FREEZE_AFTER, "spread": SPREAD, "plain_steps": max(FREEZE_AFTER, PLAIN_STEPS)}
+    path = os.path.join(args.out, "lm" + ("_quick" if args.quick else "") + ".json")
+    if not args.replot and not args.fresh and os.path.exists(path):  # lm.main merges into it: the same variant only
+        with open(path) as f:
+            earlier = json.load(f).get("variants")
+        if earlier != variants:
+            raise SystemExit(f"lm_variants.py: {path} holds runs of the variant {earlier}, not {variants}: give "
+                             "another --out, or --fresh")
     lm.main(rest)
     if not args.replot:  # the report says which variant ran
-        path = os.path.join(args.out, "lm" + ("_quick" if args.quick else "") + ".json")
         with open(path) as f:
             report = json.load(f)
-        report["variants"] = {"freeze_variance_after": FREEZE_AFTER, "spread": SPREAD,
-                              "plain_steps": max(FREEZE_AFTER, PLAIN_STEPS)}
+        report["variants"] = variants
         with open(path, "w") as f:
             json.dump(report, f, indent=1)
 

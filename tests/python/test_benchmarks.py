@@ -217,6 +217,18 @@ def test_lm_variants_sparse_block_sign_signs_only_the_elements_sent_in_blocks_of
             variants.check_spec(f"blocksign:{bad}")
 
 
+def test_lm_variants_block_sign_momentum_is_a_running_mean_of_the_rank_gradient():
+    variants = load_benchmark("lm_variants.py")
+    state = variants.BlockSignState("blocksign:momentum=0.75", 4, False, 1.0, False, 0.75, 2, 2)
+    for grad in ([4.0, -8.0], [0.0, 8.0], [8.0, 0.0]):
+        mean = variants.local_momentum(state, 0, torch.tensor(grad))
+    # starts at the first gradient: 4, then 0.75 * 4 + 0.25 * 0 = 3, then 0.75 * 3 + 0.25 * 8 = 4.25; -8, -4, -3
+    assert torch.equal(mean, torch.tensor([4.25, -3.0]))
+    assert variants.local_momentum(state, 1, torch.tensor([1.0])).tolist() == [1.0]  # a bucket of its own
+    with pytest.raises(ValueError, match=r"momentum must be in \[0, 1\), got 1.0"):
+        variants.check_spec("blocksign:momentum=1")
+
+
 def test_lm_variants_spread_hands_an_arrival_out_by_the_gap_it_closed():
     variants = load_benchmark("lm_variants.py")
     # element 0 arrives at step 3 (6, a gap of 3 steps) and step 5 (2, a gap of 2); element 1 at step 1 (4, a gap of 1)
@@ -238,16 +250,17 @@ def test_lm_variants_spread_hands_an_arrival_out_by_the_gap_it_closed():
 def test_lm_variants_spread_and_fraction_train(tmp_path, monkeypatch):
     variants = load_benchmark("lm_variants.py")
     monkeypatch.setattr(variants, "SPREAD", "decay")
-    with pytest.raises(ValueError, match="--spread applies to gradcomp's codecs, not to blocksign"):
-        variants.check_spec("blocksign:block=64")
+    for spec in ("blocksign:block=64", "scaledtopk:ratio=0.01"):
+        with pytest.raises(ValueError, match="--spread applies to gradcomp's codecs, not to blocksign or scaledtopk"):
+            variants.check_spec(spec)
     topk = "topk:ratio=0.01"
     run_script(BENCHMARKS / "lm_variants.py", "--quick", "--spread", "decay", "--codecs", topk,
                "--out", tmp_path / "spread")
     spread = json.loads((tmp_path / "spread" / "lm_quick.json").read_text())
     assert spread["variants"]["spread"] == "decay"
     fraction, whole = "blocksign:block=64,error_feedback=0,fraction=0.25", "blocksign:block=64,error_feedback=0"
-    held = fraction + ",hold=1"
-    run_script(BENCHMARKS / "lm_variants.py", "--quick", "--codecs", topk, fraction, held, whole,
+    held, momentum = fraction + ",hold=1", whole + ",momentum=0.9"
+    run_script(BENCHMARKS / "lm_variants.py", "--quick", "--codecs", topk, fraction, held, whole, momentum,
                "--out", tmp_path / "plain")
     report = json.loads((tmp_path / "plain" / "lm_quick.json").read_text())
     rows = {row["spec"]: row for row in report["summary"]}
@@ -256,6 +269,7 @@ def test_lm_variants_spread_and_fraction_train(tmp_path, monkeypatch):
     assert spread["summary"][0]["ppl_mean"] != rows[topk]["ppl_mean"]
     assert rows[held]["ppl_mean"] != rows[fraction]["ppl_mean"]
     assert rows[held]["wire_bytes_per_step"] == rows[fraction]["wire_bytes_per_step"]
+    assert rows[momentum]["ppl_mean"] != rows[whole]["ppl_mean"]  # the signs of the running mean are others
     steps, plain = report["model"]["steps"], report["variants"]["plain_steps"]
 
     def compressed_bytes(row):
@@ -263,6 +277,58 @@ def test_lm_variants_spread_and_fraction_train(tmp_path, monkeypatch):
 
     # about a quarter of the signs and scales (and a header per payload)
     assert 0.2 < compressed_bytes(rows[fraction]) / compressed_bytes(rows[whole]) < 0.35
+
+
+def test_lm_variants_scaled_top_k_chooses_by_magnitude_over_the_running_rms():
+    variants = load_benchmark("lm_variants.py")
+    m = torch.tensor([3.0, -1.0, 0.5, 2.0])
+    mean_square = torch.tensor([9.0, 0.01, 0.01, 16.0])  # scores |m| / rms: 1, 10, 5, 0.5
+    assert torch.equal(variants.scaled_top_k_sent(m, mean_square, 2), torch.tensor([0.0, -1.0, 0.5, 0.0]))
+    assert torch.equal(variants.scaled_top_k_sent(m, None, 2), torch.tensor([3.0, 0.0, 0.0, 2.0]))
+    grad = torch.tensor([1.0, -3.0, 2.0, 0.0, 4.0])  # parameters of 2 and 3 elements: mean squares 5 and 20/3
+    expected = torch.tensor([5.0, 5.0, 20 / 3, 20 / 3, 20 / 3])
+    assert torch.allclose(variants.tensor_mean_squares(grad, [2, 3]), expected)
+    # DGC's warm-up: 0.25 at first, the geometric mean of 0.25 and the ratio half-way, the ratio from then on
+    assert variants.warmed_up_ratio(0.01, 100, 0) == 0.25
+    assert math.isclose(variants.warmed_up_ratio(0.01, 100, 50), 0.05)
+    assert [variants.warmed_up_ratio(0.01, 100, step) for step in (100, 500)] == [0.01, 0.01]
+    assert variants.warmed_up_ratio(0.5, 100, 0) == 0.5 and variants.warmed_up_ratio(0.01, 0, 0) == 0.01
+    for bad, message in (("ratio=0", r"ratio must be in \(0, 1\], got 0.0"), ("by=row", "by must be element, "
+                         "tensor or none, got 'row'"), ("warmup=-1", "warmup must be >= 0 steps, got -1"),
+                         ("keep=1.5", r"keep must be in \[0, 1\], got 1.5"),
+                         ("k=3", r"unknown option\(s\) \['k'\]; valid: ratio, by, warmup, keep")):
+        with pytest.raises(ValueError, match=message):
+            variants.check_spec(f"scaledtopk:{bad}")
+
+
+def test_lm_variants_scaled_top_k_trains_and_by_none_is_gradcomps_topk(tmp_path):
+    specs = ["topk:ratio=0.01", "scaledtopk:ratio=0.01,by=none", "scaledtopk:ratio=0.01",
+             "scaledtopk:ratio=0.01,by=tensor", "scaledtopk:ratio=0.01,by=none,warmup=10",
+             "scaledtopk:ratio=0.01,by=none,keep=0.5"]
+    script = BENCHMARKS / "lm_variants.py"
+    run_script(script, "--quick", "--plain-steps", "3", "--codecs", *specs, "--out", tmp_path / "three")
+    report = json.loads((tmp_path / "three" / "lm_quick.json").read_text())
+    assert report["variants"]["plain_steps"] == 3
+    rows = {row["spec"]: row for row in report["summary"]}
+    topk, stand_in, by_element, by_tensor, warmed, leaky = (rows[spec] for spec in specs)
+    assert math.isclose(stand_in["ppl_mean"], topk["ppl_mean"], rel_tol=1e-3)
+    assert math.isclose(stand_in["ratio"], topk["ratio"], rel_tol=1e-2)
+    assert all(math.isfinite(row["ppl_mean"]) and row["ppl_mean"] < 512 for row in rows.values())  # vocab 512
+    for variant in (by_element, by_tensor, leaky):  # each changes what is sent
+        assert variant["ppl_mean"] != stand_in["ppl_mean"]
+    assert warmed["ratio"] < 0.8 * stand_in["ratio"]  # ten steps from a quarter of the elements down to 1% send more
+    with pytest.raises(AssertionError, match="holds runs of the variant .* give another --out, or --fresh"):
+        run_script(script, "--quick", "--codecs", specs[1], "--out", tmp_path / "three")
+    # The ranks took 3 plain steps: one more than the default, so one step's plain bytes in place of a compressed one's.
+    run_script(script, "--quick", "--codecs", specs[1], "--out", tmp_path / "two")
+    two = json.loads((tmp_path / "two" / "lm_quick.json").read_text())["summary"][0]
+    steps, raw = report["model"]["steps"], stand_in["raw_bytes_per_step"]
+    compressed = (two["wire_bytes_per_step"] * steps - 2 * raw) / (steps - 2)
+    assert compressed < raw / 4
+    assert math.isclose((stand_in["wire_bytes_per_step"] - two["wire_bytes_per_step"]) * steps, raw - compressed,
+                        rel_tol=1e-6)
+    with pytest.raises(AssertionError, match="--plain-steps must be >= 2, got 1"):
+        run_script(script, "--quick", "--plain-steps", "1", "--out", tmp_path)
 
 
 def test_lm_variants_frozen_variance_adamw_is_adamw_until_it_freezes():
