@@ -25,6 +25,8 @@ scaledtopk:ratio=R[,by=element|tensor|none][,warmup=N][,keep=K]: topk with error
     bytes it counts). warmup=N: DGC's sparsity warm-up, the ratio falling exponentially from 0.25 to R over
     the first N compressed steps. keep=K: the residual is multiplied by K each step (1: error feedback, 0: none),
     so that mass left unsent for long fades.
+--start-codec SPEC: gradcomp's SPEC in place of plain allreduce for the first --plain-steps steps (after its own 2
+    plain ones), then the run's codec (class Staged).
 --plain-steps N: N steps of plain allreduce before any codec starts (gradcomp.register's start_iter; default 2; with
     --freeze-variance-after, the larger of the two).
 --spread decay|hold: gradcomp's codec, its averaged gradient handed to the optimizer spread out in time by how
@@ -59,6 +61,8 @@ FREEZE_ENV = "GRADCOMP_LM_FREEZE_VARIANCE_AFTER"
 FREEZE_AFTER = int(os.environ.get(FREEZE_ENV, "0"))
 SPREAD_ENV = "GRADCOMP_LM_SPREAD"
 SPREAD = os.environ.get(SPREAD_ENV, "")
+START_CODEC_ENV = "GRADCOMP_LM_START_CODEC"
+START_CODEC = os.environ.get(START_CODEC_ENV, "")
 
 
 class Spread:
@@ -102,6 +106,27 @@ def spread_hook(spread: Spread, bucket: dist.GradBucket) -> torch.futures.Future
         return future
     index = bucket.index()
     return future.then(lambda done: spread.apply(index, done.value()))
+
+
+class Staged:
+    """Codec `first` for the first `steps` steps (itself after its own 2 plain ones), then codec `then`: a
+    cheaper start than plain allreduce. Byte counts are the two states' together."""
+
+    def __init__(self, first, then, steps: int):
+        self.first, self.then, self.steps, self.step = first, then, steps, 0
+        self.spec = then.spec
+
+    def stats(self) -> dict:
+        first, then = self.first.stats()["total"], self.then.stats()
+        total = {key: first[key] + then["total"][key] for key in ("raw_bytes", "wire_bytes")}
+        return {"total": total, "schemes": then["schemes"]}
+
+
+def staged_hook(staged: Staged, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    step = staged.step
+    if bucket.is_last():
+        staged.step += 1
+    return gradcomp.hook(staged.first if step < staged.steps else staged.then, bucket)
 
 
 class BlockSignState:
@@ -336,6 +361,12 @@ def register_codec(ddp, spec: str, scheme: str):
         state = gradcomp.CompressionState(spec, scheme=scheme, start_iter=plain_steps, model=ddp.module)
         ddp.register_comm_hook(Spread(state, SPREAD), spread_hook)
         return state
+    if START_CODEC:
+        first = gradcomp.CompressionState(START_CODEC, scheme=scheme, model=ddp.module)
+        then = gradcomp.CompressionState(spec, scheme=scheme, start_iter=0, model=ddp.module)
+        staged = Staged(first, then, plain_steps)
+        ddp.register_comm_hook(staged, staged_hook)
+        return staged
     if spec.startswith("scaledtopk"):
         ratio, by, warmup, keep = parse_scaled_top_k(spec)
         state = ScaledTopKState(spec, ratio, by, warmup, keep, dist.get_world_size(), plain_steps)
@@ -351,8 +382,9 @@ def register_codec(ddp, spec: str, scheme: str):
 
 
 def check_spec(spec: str) -> None:
-    if spec.startswith(("blocksign", "scaledtopk")) and SPREAD:
-        raise ValueError("--spread applies to gradcomp's codecs, not to blocksign or scaledtopk")
+    for option, given in (("--spread", SPREAD), ("--start-codec", START_CODEC)):
+        if spec.startswith(("blocksign", "scaledtopk")) and given:
+            raise ValueError(f"{option} applies to gradcomp's codecs, not to blocksign or scaledtopk")
     if spec.startswith("blocksign"):
         parse_block_sign(spec)
     elif spec.startswith("scaledtopk"):
@@ -407,12 +439,20 @@ lm.register_codec, lm.check_spec, lm.make_optimizer = register_codec, check_spec
 
 
 def main() -> None:
-    global FREEZE_AFTER, SPREAD, PLAIN_STEPS
+    global FREEZE_AFTER, SPREAD, PLAIN_STEPS, START_CODEC
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--plain-steps", type=int, default=PLAIN_STEPS)
     parser.add_argument("--freeze-variance-after", type=int, default=0)
     parser.add_argument("--spread", choices=["decay", "hold"], default="")
+    parser.add_argument("--start-codec", default="")
     known, rest = parser.parse_known_args()
+    if known.start_codec:
+        if known.spread or known.freeze_variance_after:
+            raise SystemExit("--start-codec goes with neither --spread nor --freeze-variance-after")
+        if known.plain_steps <= 2:
+            raise SystemExit("--start-codec replaces the plain start: give --plain-steps above 2")
+        gradcomp.codec(known.start_codec)  # a bad spec fails here, naming the valid ones
+    os.environ[START_CODEC_ENV] = START_CODEC = known.start_codec
     if known.freeze_variance_after < 0:
         raise SystemExit(f"--freeze-variance-after must be >= 0, got {known.freeze_variance_after}")
     if known.plain_steps < 2:  # as the hook's start_iter: no codec before DDP has rebuilt its buckets after step 0
@@ -428,6 +468,8 @@ def main() -> None:
     if "--out" not in rest and not any(a.startswith("--out=") for a in rest):
         raise SystemExit("lm_variants.py: give --out DIR (a folder of its own, not benchmarks/results)")
     variants = {"freeze_variance_after": FREEZE_AFTER, "spread": SPREAD, "plain_steps": max(FREEZE_AFTER, PLAIN_STEPS)}
+    if START_CODEC:  # absent otherwise, as in the reports from before it
+        variants["start_codec"] = START_CODEC
     path = os.path.join(args.out, "lm" + ("_quick" if args.quick else "") + ".json")
     if not args.replot and not args.fresh and os.path.exists(path):  # lm.main merges into it: the same variant only
         with open(path) as f:
