@@ -129,22 +129,50 @@ def staged_hook(staged: Staged, bucket: dist.GradBucket) -> torch.futures.Future
     return gradcomp.hook(staged.first if step < staged.steps else staged.then, bucket)
 
 
-class BlockSignState:
-    """Per-bucket residuals and byte counts, with the part of CompressionState's interface lm.train_one reads."""
+class StandInState:
+    """A pure-PyTorch codec's per-bucket residuals and byte counts, with the part of CompressionState's interface
+    lm.train_one reads."""
 
-    def __init__(self, spec: str, block: int, error_feedback: bool, fraction: float, hold: bool, momentum: float,
-                 world: int, plain_steps: int):
-        self.spec, self.block, self.error_feedback, self.world = spec, block, error_feedback, world
-        self.fraction, self.hold, self.momentum = fraction, hold, momentum
-        self.momenta: dict[int, torch.Tensor] = {}
-        self.held: dict[int, torch.Tensor] = {}
-        self.plain_steps = plain_steps
+    def __init__(self, spec: str, world: int, plain_steps: int):
+        self.spec, self.world, self.plain_steps = spec, world, plain_steps
         self.residuals: dict[int, torch.Tensor] = {}
         self.step = 0  # counted per step, as gradcomp's hook does: a bucket DDP adds at its rebuild is no later
         self.raw_bytes = self.wire_bytes = 0
 
     def stats(self) -> dict:
         return {"total": {"raw_bytes": self.raw_bytes, "wire_bytes": self.wire_bytes}, "schemes": {}}
+
+
+def bucket_zeros(store: dict[int, torch.Tensor], index: int, grad: torch.Tensor) -> torch.Tensor:
+    """store's tensor for bucket `index`, zeros like grad when it has none or DDP rebuilt its buckets."""
+    tensor = store.get(index)
+    if tensor is None or tensor.numel() != grad.numel():
+        tensor = store[index] = torch.zeros_like(grad)
+    return tensor
+
+
+def spec_options(spec: str, valid: tuple[str, ...]) -> dict[str, str]:
+    """A stand-in spec's options, 'name:key=value,...', refusing keys not in `valid`."""
+    name, _, rest = spec.partition(":")
+    options = dict(kv.split("=", 1) for kv in rest.split(",") if kv)
+    unknown = set(options) - set(valid)
+    if unknown:
+        raise ValueError(f"{name}: unknown option(s) {sorted(unknown)}; valid: {', '.join(valid)}")
+    return options
+
+
+def flag(options: dict[str, str], key: str, default: str) -> bool:
+    return options.get(key, default) not in ("0", "False", "false")
+
+
+class BlockSignState(StandInState):
+    def __init__(self, spec: str, block: int, error_feedback: bool, fraction: float, hold: bool, momentum: float,
+                 world: int, plain_steps: int):
+        super().__init__(spec, world, plain_steps)
+        self.block, self.error_feedback = block, error_feedback
+        self.fraction, self.hold, self.momentum = fraction, hold, momentum
+        self.momenta: dict[int, torch.Tensor] = {}
+        self.held: dict[int, torch.Tensor] = {}
 
 
 def block_sign_decoded(m: torch.Tensor, block: int) -> torch.Tensor:
@@ -178,7 +206,7 @@ def local_momentum(state: BlockSignState, index: int, grad: torch.Tensor) -> tor
     return mean.mul_(state.momentum).add_(grad, alpha=1 - state.momentum)
 
 
-def begin_bucket(state, bucket: dist.GradBucket) -> tuple[torch.Tensor, int, int, int, int]:
+def begin_bucket(state: StandInState, bucket: dist.GradBucket) -> tuple[torch.Tensor, int, int, int, int]:
     """The bucket's gradient, size, index and step (counted per step, as gradcomp's hook does: a bucket DDP adds at
     its rebuild is no later), and the bytes plain allreduce would send for it, added to the state's count."""
     grad = bucket.buffer()
@@ -203,9 +231,7 @@ def block_sign_hook(state: BlockSignState, bucket: dist.GradBucket) -> torch.fut
     else:
         m = signal
         if state.error_feedback:
-            residual = state.residuals.get(index)
-            if residual is None or residual.numel() != n:  # DDP rebuilt its buckets
-                residual = state.residuals[index] = torch.zeros_like(grad)
+            residual = bucket_zeros(state.residuals, index, grad)
             m = signal + residual
         if state.fraction < 1:  # the same random elements on every rank: their indices need no bytes
             generator = torch.Generator().manual_seed(step * 1_000_003 + index)
@@ -223,9 +249,7 @@ def block_sign_hook(state: BlockSignState, bucket: dist.GradBucket) -> torch.fut
     future = dist.all_reduce(grad, async_op=True).get_future().then(lambda fut: fut.value()[0])
     if sent is None or not state.hold:
         return future
-    held = state.held.get(index)
-    if held is None or held.numel() != n:
-        held = state.held[index] = torch.zeros_like(grad)
+    held = bucket_zeros(state.held, index, grad)
 
     def hold_unsent(done):  # every element keeps its last average until it is sent again
         average = done.value()
@@ -236,11 +260,7 @@ def block_sign_hook(state: BlockSignState, bucket: dist.GradBucket) -> torch.fut
 
 
 def parse_block_sign(spec: str) -> tuple[int, bool, float, bool, float]:
-    options = dict(kv.split("=", 1) for kv in spec.partition(":")[2].split(",") if kv)
-    unknown = set(options) - {"block", "error_feedback", "fraction", "hold", "momentum"}
-    if unknown:
-        raise ValueError(f"blocksign: unknown option(s) {sorted(unknown)}; valid: block, error_feedback, fraction, "
-                         "hold, momentum")
+    options = spec_options(spec, ("block", "error_feedback", "fraction", "hold", "momentum"))
     momentum = float(options.get("momentum", 0))
     if not 0 <= momentum < 1:
         raise ValueError(f"blocksign: momentum must be in [0, 1), got {momentum}")
@@ -249,26 +269,18 @@ def parse_block_sign(spec: str) -> tuple[int, bool, float, bool, float]:
         raise ValueError(f"blocksign: block must be at least 1, got {block}")
     if not 0 < fraction <= 1:
         raise ValueError(f"blocksign: fraction must be in (0, 1], got {fraction}")
-    error_feedback = options.get("error_feedback", "1") not in ("0", "False", "false")
-    hold = options.get("hold", "0") not in ("0", "False", "false")
+    error_feedback, hold = flag(options, "error_feedback", "1"), flag(options, "hold", "0")
     if hold and (fraction == 1 or error_feedback):  # with error feedback, what it repeats would be sent again
         raise ValueError("blocksign: hold=1 repeats the elements a step does not send: give a fraction below 1 "
                          "and error_feedback=0")
     return block, error_feedback, fraction, hold, momentum
 
 
-class ScaledTopKState:
-    """Per-bucket residuals, running gradient RMS and byte counts for scaledtopk, with lm.train_one's interface."""
-
+class ScaledTopKState(StandInState):
     def __init__(self, spec: str, ratio: float, by: str, warmup: int, keep: float, world: int, plain_steps: int):
-        self.spec, self.ratio, self.by, self.world, self.plain_steps = spec, ratio, by, world, plain_steps
-        self.warmup, self.keep = warmup, keep
-        self.residuals: dict[int, torch.Tensor] = {}
-        self.mean_squares: dict[int, torch.Tensor] = {}
-        self.step = 0
-        self.raw_bytes = self.wire_bytes = 0
-
-    stats = BlockSignState.stats
+        super().__init__(spec, world, plain_steps)
+        self.ratio, self.by, self.warmup, self.keep = ratio, by, warmup, keep
+        self.mean_squares: dict[int, torch.Tensor] = {}  # this rank's running mean squared gradient
 
 
 SCALE_BETA = 0.95  # AdamW's beta2 in lm.py: the scale is the RMS AdamW would divide this rank's gradient by
@@ -314,9 +326,7 @@ def scaled_top_k_hook(state: ScaledTopKState, bucket: dist.GradBucket) -> torch.
     if step < state.plain_steps:
         state.wire_bytes += raw
     else:
-        residual = state.residuals.get(index)
-        if residual is None or residual.numel() != n:
-            residual = state.residuals[index] = torch.zeros_like(grad)
+        residual = bucket_zeros(state.residuals, index, grad)
         m = grad + residual
         k = gradcomp.codecs.count_for_ratio(warmed_up_ratio(state.ratio, state.warmup, step - state.plain_steps), n)
         sent = scaled_top_k_sent(m, mean_square, k)
@@ -338,10 +348,7 @@ def warmed_up_ratio(ratio: float, warmup: int, compressed_step: int) -> float:
 
 
 def parse_scaled_top_k(spec: str) -> tuple[float, str, int, float]:
-    options = dict(kv.split("=", 1) for kv in spec.partition(":")[2].split(",") if kv)
-    unknown = set(options) - {"ratio", "by", "warmup", "keep"}
-    if unknown:
-        raise ValueError(f"scaledtopk: unknown option(s) {sorted(unknown)}; valid: ratio, by, warmup, keep")
+    options = spec_options(spec, ("ratio", "by", "warmup", "keep"))
     ratio, by, warmup = float(options.get("ratio", 0.01)), options.get("by", "element"), int(options.get("warmup", 0))
     keep = float(options.get("keep", 1))
     if warmup < 0:
