@@ -25,8 +25,9 @@ scaledtopk:ratio=R[,by=element|tensor|none][,warmup=N][,keep=K]: topk with error
     bytes it counts). warmup=N: DGC's sparsity warm-up, the ratio falling exponentially from 0.25 to R over
     the first N compressed steps. keep=K: the residual is multiplied by K each step (1: error feedback, 0: none),
     so that mass left unsent for long fades.
---start-codec SPEC: gradcomp's SPEC in place of plain allreduce for the first --plain-steps steps (after its own 2
-    plain ones), then the run's codec (class Staged).
+--start-codec SPEC: gradcomp.register's start_codec: SPEC (one without error feedback) in place of plain allreduce
+    for the first --plain-steps steps, then the run's codec. Runs in results from before gradcomp had the option
+    (their JSON names a commit before it) sent their first 2 steps plain.
 --plain-steps N: N steps of plain allreduce before any codec starts (gradcomp.register's start_iter; default 2; with
     --freeze-variance-after, the larger of the two).
 --spread decay|hold: gradcomp's codec, its averaged gradient handed to the optimizer spread out in time by how
@@ -106,27 +107,6 @@ def spread_hook(spread: Spread, bucket: dist.GradBucket) -> torch.futures.Future
         return future
     index = bucket.index()
     return future.then(lambda done: spread.apply(index, done.value()))
-
-
-class Staged:
-    """Codec `first` for the first `steps` steps (itself after its own 2 plain ones), then codec `then`: a
-    cheaper start than plain allreduce. Byte counts are the two states' together."""
-
-    def __init__(self, first, then, steps: int):
-        self.first, self.then, self.steps, self.step = first, then, steps, 0
-        self.spec = then.spec
-
-    def stats(self) -> dict:
-        first, then = self.first.stats()["total"], self.then.stats()
-        total = {key: first[key] + then["total"][key] for key in ("raw_bytes", "wire_bytes")}
-        return {"total": total, "schemes": then["schemes"]}
-
-
-def staged_hook(staged: Staged, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    step = staged.step
-    if bucket.is_last():
-        staged.step += 1
-    return gradcomp.hook(staged.first if step < staged.steps else staged.then, bucket)
 
 
 class StandInState:
@@ -368,19 +348,13 @@ def register_codec(ddp, spec: str, scheme: str):
         state = gradcomp.CompressionState(spec, scheme=scheme, start_iter=plain_steps, model=ddp.module)
         ddp.register_comm_hook(Spread(state, SPREAD), spread_hook)
         return state
-    if START_CODEC:
-        first = gradcomp.CompressionState(START_CODEC, scheme=scheme, model=ddp.module)
-        then = gradcomp.CompressionState(spec, scheme=scheme, start_iter=0, model=ddp.module)
-        staged = Staged(first, then, plain_steps)
-        ddp.register_comm_hook(staged, staged_hook)
-        return staged
     if spec.startswith("scaledtopk"):
         ratio, by, warmup, keep = parse_scaled_top_k(spec)
         state = ScaledTopKState(spec, ratio, by, warmup, keep, dist.get_world_size(), plain_steps)
         ddp.register_comm_hook(state, scaled_top_k_hook)
         return state
     if not spec.startswith("blocksign"):
-        return gradcomp.register(ddp, spec, scheme=scheme, start_iter=plain_steps)
+        return gradcomp.register(ddp, spec, scheme=scheme, start_iter=plain_steps, start_codec=START_CODEC or None)
     block, error_feedback, fraction, hold, momentum = parse_block_sign(spec)
     state = BlockSignState(spec, block, error_feedback, fraction, hold, momentum, dist.get_world_size(),
                            plain_steps)
@@ -456,9 +430,7 @@ def main() -> None:
     if known.start_codec:
         if known.spread or known.freeze_variance_after:
             raise SystemExit("--start-codec goes with neither --spread nor --freeze-variance-after")
-        if known.plain_steps <= 2:
-            raise SystemExit("--start-codec replaces the plain start: give --plain-steps above 2")
-        gradcomp.codec(known.start_codec)  # a bad spec fails here, naming the valid ones
+        gradcomp.CompressionState("none", start_codec=known.start_codec)  # a bad one fails here, naming valid ones
     os.environ[START_CODEC_ENV] = START_CODEC = known.start_codec
     if known.freeze_variance_after < 0:
         raise SystemExit(f"--freeze-variance-after must be >= 0, got {known.freeze_variance_after}")

@@ -4,8 +4,11 @@
     ddp_model.register_comm_hook(gradcomp.CompressionState("qsgd"), gradcomp.hook)
 
 One bucket, one step:
-    warm-up (step < start_iter), a bucket too small to gain, a sparse or float64 bucket
-        -> plain allreduce of grad / world, exactly what DDP does without a hook;
+    warm-up (step < start_iter) without a start codec, a bucket too small to gain, a sparse or float64
+        bucket -> plain allreduce of grad / world, exactly what DDP does without a hook;
+    warm-up with a start codec (say qsgd:levels=127, about 4x smaller than plain and as good under AdamW's
+        first steps): the bucket under that codec, which keeps no state between steps, so nothing is
+        carried over when the run's codec takes over at step start_iter;
     otherwise the bucket's plan, by its scheme (a module each in gradcomp.schemes):
     allreduce (none, fp16, bf16, randomk): encode, divide the payload's values by world, allreduce
         them, decode in place;
@@ -51,6 +54,7 @@ from ._futures import value_or_raise
 from ._tensors import check_tensor
 from .checkpoint import every_rank_world_size, is_every_rank, this_ranks_entry
 from .codecs import codec as make_codec
+from .powersgd import PowerSGD
 from .schemes import (GATHERED, PLANS, AllgatherBucket, AllreduceBucket, PowerSGDBucket, check_scheme, fixed_scheme,
                       plan_class, ring_allreduce_bytes)
 
@@ -317,13 +321,13 @@ class CompressionState:
     copy of the model. Residuals belong to one rank: every rank saves and loads its own.
     """
 
-    __slots__ = ("process_group", "codec", "scheme", "start_iter", "min_bucket_ratio", "log_every", "iter",
-                 "_plans", "_pool", "_param_keys", "_model", "_verified", "_total", "_last", "_current", "_warned",
+    __slots__ = ("process_group", "codec", "scheme", "start_iter", "start_codec", "min_bucket_ratio", "log_every",
+                 "iter", "_plans", "_start_plans", "_pool", "_param_keys", "_model", "_verified", "_total", "_last", "_current", "_warned",
                  "_sequencer", "_checks", "_device_counts")
 
     def __init__(self, spec: str = "topk", *, process_group: dist.ProcessGroup | None = None, scheme: str = "auto",
-                 start_iter: int = 2, min_bucket_ratio: float = 1.0, log_every: int = 0,
-                 model: torch.nn.Module | None = None, **codec_params: Any):
+                 start_iter: int = 2, start_codec: str | None = None, min_bucket_ratio: float = 1.0,
+                 log_every: int = 0, model: torch.nn.Module | None = None, **codec_params: Any):
         for name, value in (("start_iter", start_iter), ("log_every", log_every)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"gradcomp: {name}={value!r} must be an integer >= 0")
@@ -336,10 +340,12 @@ class CompressionState:
                              f"residuals and Q left as they were (GradScaler skips the step)")
         self.codec = make_codec(spec, **codec_params)
         self.scheme = check_scheme(self.codec, scheme)
+        self.start_codec = None if start_codec is None else _stateless_start_codec(start_codec, start_iter)
         self.process_group = process_group
         self.start_iter, self.min_bucket_ratio, self.log_every = start_iter, float(min_bucket_ratio), log_every
         self.iter = 0
         self._plans: dict[int, Any] = {}  # bucket index -> its plan, an instance of one of schemes.PLANS
+        self._start_plans: dict[int, Any] = {}  # the same under the start codec, for steps < start_iter
         self._pool: dict[int, dict[str, torch.Tensor]] = {}  # per-parameter state waiting for its new bucket
         self._verified = False
         self._total, self._last, self._current = _empty_stats(), _empty_stats(), _empty_stats()
@@ -369,6 +375,7 @@ class CompressionState:
         """What every rank must agree on (compared at the first step) and what a checkpoint must match."""
         world = dist.get_world_size(self._group()) if dist.is_initialized() else None
         return {"codec": self.spec, "scheme": fixed_scheme(self.codec) or self.scheme, "start_iter": self.start_iter,
+                "start_codec": None if self.start_codec is None else self.start_codec.spec(),
                 "min_bucket_ratio": self.min_bucket_ratio, "world_size": world, "wire_format": _ops._C.format_version}
 
     def bind(self, model: torch.nn.Module) -> None:
@@ -435,8 +442,11 @@ class CompressionState:
             buffer = bucket.buffer()
             step.add("raw_bytes", ring_allreduce_bytes(buffer.numel() * buffer.element_size(), step.world))
             step.add("buckets", 1)
-            if self.iter < self.start_iter or not self._compressible(buffer):
+            starting = self.iter < self.start_iter
+            if (starting and self.start_codec is None) or not self._compressible(buffer):
                 future = self._plain(step, buffer)
+            elif starting:
+                future = self._start(step, bucket, buffer)
             else:
                 future = self._compressed(step, bucket, buffer)
             if bucket.is_last():
@@ -479,10 +489,29 @@ class CompressionState:
         views = bucket.gradients()
         plan = self._plans.get(bucket.index())
         if plan is None or plan.keys != keys:
-            saved = self._saved_buckets_covering(keys, views, buffer.dtype)
+            saved = self._saved_buckets_covering(self._plans, keys, views, buffer.dtype)
             if saved:
                 return self._launch_saved(step, saved, dict(zip(keys, views)), buffer)
             plan = self._new_plan(step, bucket.index(), keys, [v.shape for v in views], buffer)
+        return self._launch(step, plan, buffer, views)
+
+    def _start(self, step: _Step, bucket: dist.GradBucket, buffer: torch.Tensor) -> torch.futures.Future:
+        """A warm-up step under the start codec. It keeps no state, so a bucket laid out anew just gets a new plan;
+        but its layout decides the codec's blocks and random streams, so a resumed run keeps the saved one."""
+        keys = tuple(self._param_keys[id(p)] for p in bucket.parameters())
+        views = bucket.gradients()
+        index = bucket.index()
+        plan = self._start_plans.get(index)
+        if plan is None or plan.keys != keys:
+            saved = self._saved_buckets_covering(self._start_plans, keys, views, buffer.dtype)
+            if saved:
+                return self._launch_saved(step, saved, dict(zip(keys, views)), buffer)
+            wanted = set(keys)
+            for old in [i for i, p in self._start_plans.items() if i == index or wanted.intersection(p.keys)]:
+                del self._start_plans[old]
+            plan_type = plan_class(self.start_codec, "auto", buffer.numel(), buffer.dtype, step.world)
+            plan = self._start_plans[index] = plan_type(self.start_codec, index, keys, [v.shape for v in views],
+                                                        buffer.dtype, buffer.device, world=step.world, rank=step.rank)
         return self._launch(step, plan, buffer, views)
 
     def _launch(self, step: _Step, plan, flat: torch.Tensor, views) -> torch.futures.Future:
@@ -497,9 +526,10 @@ class CompressionState:
         step.decode_status = self._checks.word(step.step, flat.device)
         return plan.launch(step, flat, views)
 
-    def _saved_buckets_covering(self, keys, views, dtype) -> list:
-        """The saved buckets that together are exactly this bucket (same parameters and shapes), else []."""
-        owner = {k: plan for plan in self._plans.values() for k in plan.keys}
+    @staticmethod
+    def _saved_buckets_covering(saved: dict, keys, views, dtype) -> list:
+        """The saved plans that together are exactly this bucket (same parameters and shapes), else []."""
+        owner = {k: plan for plan in saved.values() for k in plan.keys}
         shapes = dict(zip(keys, (v.shape for v in views)))
         plans = {id(owner[k]): owner[k] for k in keys if k in owner}
         if any(k not in owner for k in keys) or sum(len(p.keys) for p in plans.values()) != len(keys):
@@ -558,6 +588,8 @@ class CompressionState:
 
     def _end_step(self) -> None:
         self.iter += 1
+        if self.iter >= self.start_iter:
+            self._start_plans.clear()
         self._sequencer = _Sequencer()
         self._device_counts.end_step()
         self._last, self._current = self._current, _empty_stats()
@@ -593,7 +625,8 @@ class CompressionState:
         step writes the new ones beside the old, which stay when the step's data is not finite), and state
         waiting for its parameter's next bucket. A step adds, per bucket in flight, its payload (and the
         world's gathered payloads for allgather codecs; P for powersgd) and frees it when the bucket completes."""
-        tensors = [t for plan in self._plans.values() for t in [*plan.tensors().values(), *plan.spares()]]
+        plans = [*self._plans.values(), *self._start_plans.values()]
+        tensors = [t for plan in plans for t in [*plan.tensors().values(), *plan.spares()]]
         tensors += [t for piece in self._pool.values() for t in piece.values()]  # views keep whole buffers alive
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t is not None}
         return sum(storages.values())
@@ -601,14 +634,20 @@ class CompressionState:
     # -- checkpoints -----------------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """A snapshot of this rank's state: config, step, per-bucket residuals and Q, stats."""
+        """A snapshot of this rank's state: config, step, per-bucket residuals and Q, stats; during a start codec's
+        steps, its buckets' layout."""
         rank = dist.get_rank(self._group()) if dist.is_initialized() else None
         clone = lambda t: None if t is None else t.detach().clone()  # noqa: E731
+
+        def layout(p):
+            return {"index": p.index, "keys": list(p.keys), "shapes": [list(s) for s in p.shapes],
+                    "dtype": str(p.dtype).removeprefix("torch."), "scheme": p.scheme}
+
         return {
             "format": STATE_FORMAT, "config": self.config(), "rank": rank, "iter": self.iter,
-            "buckets": [{"index": p.index, "keys": list(p.keys), "shapes": [list(s) for s in p.shapes],
-                         "dtype": str(p.dtype).removeprefix("torch."), "scheme": p.scheme,
-                         "tensors": {k: clone(t) for k, t in p.tensors().items()}} for p in self._plans.values()],
+            "buckets": [{**layout(p), "tensors": {k: clone(t) for k, t in p.tensors().items()}}
+                        for p in self._plans.values()],
+            "start_buckets": [layout(p) for p in self._start_plans.values()],
             "pool": {key: {k: clone(t) for k, t in piece.items()} for key, piece in self._pool.items()},
             "total": dict(self._total),
         }
@@ -639,13 +678,18 @@ class CompressionState:
                                    saved_rank)
             plan.load_tensors(saved["tensors"])
             plans[saved["index"]] = plan
+        start_plans = {}
+        for saved in state.get("start_buckets", []):  # states saved before start codecs have none
+            plan_type = self._saved_plan_type(saved["scheme"], self.start_codec)
+            start_plans[saved["index"]] = plan_type(self.start_codec, saved["index"], saved["keys"], saved["shapes"],
+                                                    _saved_dtype(saved["dtype"]), "cpu", world=world, rank=saved_rank)
         pool = {int(k): dict(v) for k, v in state["pool"].items()}
         for key, piece in pool.items():
             for name, tensor in piece.items():
                 if not isinstance(tensor, torch.Tensor):
                     raise ValueError(f"gradcomp: the saved {name} of parameter {key} is {type(tensor).__name__}, "
                                      f"not a tensor")
-        self._plans, self._pool = plans, pool
+        self._plans, self._pool, self._start_plans = plans, pool, start_plans
         self.iter = int(state["iter"])
         for plan in plans.values():
             if isinstance(plan, PowerSGDBucket):
@@ -673,11 +717,12 @@ class CompressionState:
         """The scheme of a state saved before states named their schemes: the codec's one, else allgather."""
         return fixed_scheme(self.codec) or AllgatherBucket.scheme
 
-    def _saved_plan_type(self, scheme) -> type:
-        fixed = fixed_scheme(self.codec)
+    def _saved_plan_type(self, scheme, codec=None) -> type:
+        codec = codec or self.codec
+        fixed = fixed_scheme(codec)
         allowed = [fixed] if fixed else [plan.scheme for plan in GATHERED]
         if scheme not in allowed:
-            raise ValueError(f"gradcomp: the state holds a bucket of scheme {scheme!r}; {self.codec.name} travels by "
+            raise ValueError(f"gradcomp: the state holds a bucket of scheme {scheme!r}; {codec.name} travels by "
                              f"{' or '.join(allowed)}")
         return PLANS[scheme]
 
@@ -689,7 +734,7 @@ class CompressionState:
                                  f"{len(params)} parameters (0..{len(params) - 1}): was it saved for another model?")
             return params[key]
 
-        for plan in self._plans.values():
+        for plan in [*self._plans.values(), *self._start_plans.values()]:
             for key, shape in zip(plan.keys, plan.shapes):
                 p = parameter(key, f"bucket {plan.index}'s state")
                 if p.shape != shape or p.dtype != plan.dtype:
@@ -705,15 +750,38 @@ class CompressionState:
 
     def __getstate__(self):
         return {name: getattr(self, name) for name in self.__slots__
-                if name not in ("process_group", "_sequencer", "_checks", "_param_keys", "_model", "_device_counts")}
+                if name not in ("process_group", "_sequencer", "_checks", "_param_keys", "_model", "_device_counts",
+                                "_start_plans")}
 
     def __setstate__(self, state):
         self.process_group = None
+        self.start_codec, self._start_plans = None, {}  # states pickled before there were start codecs have none
         self._unbind()  # parameters are matched anew when the state meets its model
         for name, value in state.items():
             setattr(self, name, value)
         if "scheme" not in state:  # pickled before there were schemes to choose from
             self.scheme = "auto" if fixed_scheme(self.codec) else AllgatherBucket.scheme
+
+
+def _stateless_start_codec(spec, start_iter: int):
+    """The start codec of spec: one that keeps no state between steps (what it would keep could not carry over
+    to the run's codec), for a warm-up of at least one step."""
+    if not isinstance(spec, str):
+        raise ValueError(f"gradcomp: start_codec={spec!r} must be a codec spec (a string), or None for plain "
+                         f"allreduce during the first start_iter steps")
+    try:
+        codec = make_codec(spec)
+    except ValueError as error:
+        raise ValueError(f"gradcomp: start_codec={spec!r}: {error}") from None
+    if isinstance(codec, PowerSGD) or codec.error_feedback:
+        kept = "PowerSGD's Q" if isinstance(codec, PowerSGD) else "an error-feedback residual"
+        raise ValueError(f"gradcomp: start_codec={spec!r} keeps {kept} between steps, which the run's codec could "
+                         f"not take over; a start codec keeps none: none, fp16, bf16, qsgd, terngrad, or signsgd, "
+                         f"topk or randomk with error_feedback=false")
+    if start_iter == 0:
+        raise ValueError(f"gradcomp: start_codec={spec!r} runs for the first start_iter steps, and start_iter=0 "
+                         f"leaves it none; give start_iter >= 1")
+    return codec
 
 
 def _saved_dtype(name) -> torch.dtype:
@@ -770,7 +838,8 @@ def find_ddp(model) -> torch.nn.parallel.DistributedDataParallel:
 
 def register(ddp_model: torch.nn.Module, spec: "str | CompressionState" = "topk", *,
              process_group: dist.ProcessGroup | None = None, scheme: str = "auto", start_iter: int = 2,
-             min_bucket_ratio: float = 1.0, log_every: int = 0, **codec_params: Any) -> CompressionState:
+             start_codec: str | None = None, min_bucket_ratio: float = 1.0, log_every: int = 0,
+             **codec_params: Any) -> CompressionState:
     """Registers codec `spec` as ddp_model's communication hook; returns its state (for stats and checkpoints).
 
     ddp_model: a DistributedDataParallel model, or what a framework hands out around one (Fabric's module,
@@ -784,7 +853,11 @@ def register(ddp_model: torch.nn.Module, spec: "str | CompressionState" = "topk"
         every rank: W-1 payloads sent per rank), "two-phase" (chunks to their owners, re-encoded averages
         back: about 2 payloads per rank at any W), or "auto" (the default): per bucket, the one that sends
         fewer bytes at this world size. Other codecs have one scheme and take only "auto".
-    start_iter: steps of plain allreduce first (past DDP's bucket rebuild after step 0).
+    start_iter: steps of plain allreduce first (past DDP's bucket rebuild after step 0). Under AdamW a few % of
+        the run's steps: much of what a codec costs there arises in the first steps.
+    start_codec: a codec spec for those first steps in place of plain allreduce, one that keeps no state
+        between steps: e.g. "qsgd:levels=127" (about 4x smaller than plain; none, fp16, bf16, qsgd, terngrad,
+        or signsgd, topk or randomk with error_feedback=false).
     min_bucket_ratio: a bucket is compressed only when raw bytes > this x its bytes on the wire.
     log_every: log the cumulative stats to the "gradcomp" logger every N steps (0: never).
     """
@@ -794,7 +867,7 @@ def register(ddp_model: torch.nn.Module, spec: "str | CompressionState" = "topk"
                            f"model; DDP takes one communication hook per model")
     group = process_group if process_group is not None else ddp_model.process_group
     if isinstance(spec, CompressionState):
-        options = {"scheme": (scheme, "auto"), "start_iter": (start_iter, 2),
+        options = {"scheme": (scheme, "auto"), "start_iter": (start_iter, 2), "start_codec": (start_codec, None),
                    "min_bucket_ratio": (min_bucket_ratio, 1.0),
                    "log_every": (log_every, 0), **{k: (v, None) for k, v in codec_params.items()}}
         given = [k for k, (value, default) in options.items() if value != default]
@@ -807,7 +880,7 @@ def register(ddp_model: torch.nn.Module, spec: "str | CompressionState" = "topk"
         state.bind(ddp_model.module)
     else:
         state = CompressionState(spec, process_group=group, scheme=scheme, start_iter=start_iter,
-                                 min_bucket_ratio=min_bucket_ratio, log_every=log_every, model=ddp_model.module,
+                                 start_codec=start_codec, min_bucket_ratio=min_bucket_ratio, log_every=log_every, model=ddp_model.module,
                                  **codec_params)
     ddp_model.register_comm_hook(state, hook)
     ddp_model._gradcomp_state = state

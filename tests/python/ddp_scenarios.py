@@ -201,6 +201,36 @@ def on_gpu(rank, world, specs, steps):
     return results
 
 
+def started(rank, world, spec, start_spec, start_iter, steps):
+    """spec registered with start_codec=start_spec for the first start_iter steps. Per step and bucket: the
+    bucket's gradient going in, its average coming out and the run's codec's residual before the hook; per
+    step: the stats and how many start-codec plans the state still holds."""
+    model = make_model()
+    ddp = wrap(model)
+    state = gradcomp.CompressionState(spec, start_iter=start_iter, start_codec=start_spec, min_bucket_ratio=0,
+                                      model=model)
+    buckets, steps_seen = [], []
+
+    def recording_hook(state, bucket):
+        step, index = state.iter, bucket.index()
+        grad = bucket.buffer().detach().clone()
+        residual = {k: t.clone() for k, t in _residual_pieces(state._plans.get(index)).items()}
+
+        def record(done):
+            out = done.value()
+            out = out[0] if isinstance(out, list) else out
+            buckets.append({"step": step, "bucket": index, "grad": grad, "out": out.detach().clone(),
+                            "residual": residual})
+            return out
+
+        return gradcomp.hook(state, bucket).then(record)
+
+    ddp.register_comm_hook(state, recording_hook)
+    train(ddp, torch.optim.SGD(model.parameters(), lr=0.1), steps, rank,
+          record=lambda step: steps_seen.append({**state.stats()["last"], "start_plans": len(state._start_plans)}))
+    return {"buckets": buckets, "steps": steps_seen, "memory_bytes": state.memory_bytes()}
+
+
 def _residual_pieces(plan):
     if plan is None:
         return {}
@@ -216,7 +246,7 @@ def resume(rank, world, specs, total, split, workdir, phase):
         if phase == "full":
             model, optimizer, _ = _resumable(spec)
             train(model, optimizer, total, rank)
-            results[spec] = [p.detach().clone() for p in model.parameters()]
+            results[index] = [p.detach().clone() for p in model.parameters()]
             model, optimizer, state = _resumable(spec)
             train(model, optimizer, split, rank)
             torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
@@ -228,14 +258,16 @@ def resume(rank, world, specs, total, split, workdir, phase):
             optimizer.load_state_dict(checkpoint["optimizer"])
             state.load_state_dict(checkpoint["gradcomp"])
             train(model, optimizer, total - split, rank, first_step=split)
-            results[spec] = [p.detach().clone() for p in model.parameters()]
+            results[index] = [p.detach().clone() for p in model.parameters()]
     return results
 
 
 def _resumable(spec):
+    """spec: a codec spec, or (spec, register's options)."""
+    spec, options = (spec, {}) if isinstance(spec, str) else spec
     model = make_model()
     ddp = wrap(model)
-    state = gradcomp.register(ddp, spec)
+    state = gradcomp.register(ddp, spec, **options)
     return ddp, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), state
 
 
@@ -327,6 +359,7 @@ def state_checks(rank, world):
     for name, other in {
         "codec": gradcomp.CompressionState("topk:ratio=0.2"),
         "start_iter": gradcomp.CompressionState("topk:ratio=0.1", start_iter=5),
+        "start_codec": gradcomp.CompressionState("topk:ratio=0.1", start_codec="fp16"),
     }.items():
         try:
             other.load_state_dict(saved)

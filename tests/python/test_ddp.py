@@ -124,16 +124,51 @@ def test_ranks_agree_on_the_averaged_gradient(training_runs):
 
 
 RESUMED = ["none", "fp16", "bf16", "signsgd", "terngrad", "qsgd", "topk", "randomk", "powersgd",
-           "powersgd:batch_same_shape=true"]
+           "powersgd:batch_same_shape=true",
+           ("topk", {"start_iter": 5, "start_codec": "qsgd:levels=127"}),  # saved under the start codec
+           ("powersgd", {"start_iter": 3, "start_codec": "signsgd:error_feedback=false"})]  # saved after it
 
 
 def test_resume_in_fresh_processes_is_bit_identical(tmp_path):
     full = unwrap(run_ranks(scenarios.resume, 2, (RESUMED, 7, 4, str(tmp_path), "full")))
     resumed = unwrap(run_ranks(scenarios.resume, 2, (RESUMED, 7, 4, str(tmp_path), "second")))
     for rank in range(2):
-        for spec in RESUMED:
-            for a, b in zip(full[rank][spec], resumed[rank][spec]):
+        for index, spec in enumerate(RESUMED):
+            for a, b in zip(full[rank][index], resumed[rank][index]):
                 assert torch.equal(a, b), (spec, rank, (a - b).abs().max())
+
+
+def test_start_codec_runs_the_first_steps_then_hands_over_with_nothing_carried():
+    """topk after 3 steps of signs without error feedback, on 2 ranks: each of the first 3 steps' buckets
+    arrives as the signs' average of the two ranks' gradients, at the signs' bytes; then topk starts with a
+    zero residual, and the start codec's plans are gone."""
+    world, start_iter, steps, start_spec = 2, 3, 6, "signsgd:error_feedback=false"
+    results = unwrap(run_ranks(scenarios.started, world, ("topk:ratio=0.1", start_spec, start_iter, steps)))
+    signs = gradcomp.codec(start_spec)
+    by_step_bucket = [{(b["step"], b["bucket"]): b for b in r["buckets"]} for r in results]
+    assert by_step_bucket[0].keys() == by_step_bucket[1].keys()
+    sent_in_step = [0] * steps
+    for (step, index), first in by_step_bucket[0].items():
+        both = [ranks[(step, index)] for ranks in by_step_bucket]
+        assert torch.equal(both[0]["out"], both[1]["out"]), (step, index)  # every rank applies the same average
+        nonzero = both[0]["out"].count_nonzero().item() / both[0]["out"].numel()
+        if step < start_iter:
+            payloads = [signs.encode(b["grad"], None, step=step, bucket=index, rank=r) for r, b in enumerate(both)]
+            average = signs.decode_sum(torch.stack(payloads), torch.empty_like(first["grad"]), alpha=1 / world)
+            torch.testing.assert_close(first["out"], average, rtol=1e-6, atol=1e-9)
+            assert nonzero > 0.9, (step, index, nonzero)
+            sent_in_step[step] += (world - 1) * payloads[0].numel() * payloads[0].element_size()  # allgather
+        else:
+            assert nonzero <= 2 * 0.1 + 0.05, (step, index, nonzero)  # topk's 10% from each rank
+            if step == start_iter:
+                assert all(not r["residual"] or all(t.count_nonzero() == 0 for t in r["residual"].values())
+                           for r in both), "the run's codec started with a residual"
+    for rank_result in results:
+        for step, stats in enumerate(rank_result["steps"]):
+            if step < start_iter:
+                assert stats["wire_bytes"] == sent_in_step[step] and stats["raw_bytes"] > 20 * stats["wire_bytes"]
+            assert stats["compressed_buckets"] == stats["buckets"] > 0, (step, stats)
+            assert stats["start_plans"] == (0 if step >= start_iter - 1 else stats["buckets"]), (step, stats)
 
 
 def test_ranks_configured_differently_fail_on_every_rank():
@@ -141,14 +176,15 @@ def test_ranks_configured_differently_fail_on_every_rank():
         [("topk", {}), ("qsgd", {})],
         [("topk:ratio=0.01", {}), ("topk:ratio=0.02", {})],
         [("powersgd", {"start_iter": 2}), ("powersgd", {"start_iter": 3})],
+        [("topk", {"start_codec": "fp16"}), ("topk", {})],
         [("signsgd", {}), ("signsgd", {})],  # and afterwards the group still works
     ]
     results = unwrap(run_ranks(scenarios.mismatch, 2, (cases,), timeout=180, pg_timeout_s=30))
     for rank, errors in enumerate(results):
-        for case, error in zip(cases[:3], errors):
+        for case, error in zip(cases[:-1], errors):
             assert error is not None and "configured differently" in error, (rank, case, error)
             assert "rank 0" in error and "rank 1" in error
-        assert errors[3] is None
+        assert errors[-1] is None
 
 
 HALF_PRECISION = [f"torch.{d} {s}" for d in ("float16", "bfloat16") for s in ("qsgd", "powersgd", "topk:ratio=0.1")]
@@ -190,6 +226,11 @@ def test_register_refuses_a_model_that_is_not_ddp():
     ({"spec": "topk", "min_bucket_ratio": float("nan")}, "min_bucket_ratio"),
     ({"spec": "topk", "frobnicate": 1}, "unknown parameter"),
     ({"spec": "topk", "nonfinite": "ignore"}, "nonfinite='ignore': the option is gone"),
+    ({"spec": "topk", "start_codec": "topk"}, "start_codec='topk' keeps an error-feedback residual.*qsgd"),
+    ({"spec": "topk", "start_codec": "powersgd:error_feedback=false"}, "keeps PowerSGD's Q"),
+    ({"spec": "topk", "start_codec": "qsgd", "start_iter": 0}, "start_iter=0 leaves it none"),
+    ({"spec": "topk", "start_codec": "zip"}, "start_codec='zip': unknown codec 'zip'"),
+    ({"spec": "topk", "start_codec": 3}, "start_codec=3 must be a codec spec"),
 ])
 def test_state_refuses_bad_configuration(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -197,10 +238,11 @@ def test_state_refuses_bad_configuration(kwargs, message):
 
 
 def test_state_pickles_without_its_process_group():
-    state = gradcomp.CompressionState("qsgd:levels=7", process_group=object(), start_iter=3)
+    state = gradcomp.CompressionState("qsgd:levels=7", process_group=object(), start_iter=3, start_codec="bf16")
     copy = pickle.loads(pickle.dumps(state))
     assert copy.process_group is None
     assert copy.spec == state.spec and copy.start_iter == 3 and copy.iter == 0
+    assert copy.config()["start_codec"] == state.config()["start_codec"] == gradcomp.codec("bf16").spec()
 
 
 def test_state_checks_stats_and_logging():
@@ -218,6 +260,7 @@ def test_state_checks_stats_and_logging():
         assert "codec: saved 'topk:error_feedback=True,ratio=0.1', now 'topk:error_feedback=True,ratio=0.2'" in \
             refusals["codec"]
         assert "start_iter: saved 2, now 5" in refusals["start_iter"]
+        assert f"start_codec: saved None, now {gradcomp.codec('fp16').spec()!r}" in refusals["start_codec"]
         assert "holds rank" in refusals["rank"]
         assert "not a gradcomp state" in refusals["foreign"]
         saved, reloaded = rank_result["saved"], rank_result["reloaded"]
