@@ -28,8 +28,8 @@ scaledtopk:ratio=R[,by=element|tensor|none][,warmup=N][,keep=K]: topk with error
 --start-codec SPEC: gradcomp.register's start_codec: SPEC (one without error feedback) in place of plain allreduce
     for the first --plain-steps steps, then the run's codec. Runs in results from before gradcomp had the option
     (their JSON names a commit before it) sent their first 2 steps plain.
---plain-steps N: N steps of plain allreduce before any codec starts (gradcomp.register's start_iter; default 2; with
-    --freeze-variance-after, the larger of the two).
+--plain-steps N: N steps of plain allreduce (or of --start-codec) before the run's codec starts (gradcomp.register's
+    start_iter; default 2; with --freeze-variance-after, the larger of the two).
 --spread decay|hold: gradcomp's codec, its averaged gradient handed to the optimizer spread out in time by how
     long each element went unsent (class Spread), against the bursts error feedback makes of rarely sent elements.
 --freeze-variance-after N: 1-bit Adam's recipe. N steps of plain allreduce (the hook's start_iter), then AdamW's

@@ -322,8 +322,8 @@ class CompressionState:
     """
 
     __slots__ = ("process_group", "codec", "scheme", "start_iter", "start_codec", "min_bucket_ratio", "log_every",
-                 "iter", "_plans", "_start_plans", "_pool", "_param_keys", "_model", "_verified", "_total", "_last", "_current", "_warned",
-                 "_sequencer", "_checks", "_device_counts")
+                 "iter", "_plans", "_start_plans", "_pool", "_param_keys", "_model", "_verified", "_total", "_last",
+                 "_current", "_warned", "_sequencer", "_checks", "_device_counts")
 
     def __init__(self, spec: str = "topk", *, process_group: dist.ProcessGroup | None = None, scheme: str = "auto",
                  start_iter: int = 2, start_codec: str | None = None, min_bucket_ratio: float = 1.0,
@@ -496,8 +496,9 @@ class CompressionState:
         return self._launch(step, plan, buffer, views)
 
     def _start(self, step: _Step, bucket: dist.GradBucket, buffer: torch.Tensor) -> torch.futures.Future:
-        """A warm-up step under the start codec. It keeps no state, so a bucket laid out anew just gets a new plan;
-        but its layout decides the codec's blocks and random streams, so a resumed run keeps the saved one."""
+        """A warm-up step under the start codec. It keeps no state, so nothing moves when a bucket is laid out
+        anew; but the layout decides the codec's blocks and random streams, so a bucket made of whole earlier
+        (or saved) buckets goes as those, as under the run's codec, and a resumed run repeats the uninterrupted one."""
         keys = tuple(self._param_keys[id(p)] for p in bucket.parameters())
         views = bucket.gradients()
         index = bucket.index()
@@ -506,12 +507,12 @@ class CompressionState:
             saved = self._saved_buckets_covering(self._start_plans, keys, views, buffer.dtype)
             if saved:
                 return self._launch_saved(step, saved, dict(zip(keys, views)), buffer)
-            wanted = set(keys)
-            for old in [i for i, p in self._start_plans.items() if i == index or wanted.intersection(p.keys)]:
+            for old in _overlapping(self._start_plans, index, keys):
                 del self._start_plans[old]
-            plan_type = plan_class(self.start_codec, "auto", buffer.numel(), buffer.dtype, step.world)
-            plan = self._start_plans[index] = plan_type(self.start_codec, index, keys, [v.shape for v in views],
-                                                        buffer.dtype, buffer.device, world=step.world, rank=step.rank)
+            plan_type = plan_class(self.start_codec, self.scheme, buffer.numel(), buffer.dtype, step.world)
+            plan = self._start_plans[index] = self._make_plan(plan_type, index, keys, [v.shape for v in views],
+                                                              buffer.dtype, buffer.device, step.world, step.rank,
+                                                              self.start_codec)
         return self._launch(step, plan, buffer, views)
 
     def _launch(self, step: _Step, plan, flat: torch.Tensor, views) -> torch.futures.Future:
@@ -569,8 +570,7 @@ class CompressionState:
 
     def _new_plan(self, step: _Step, index: int, keys, shapes, buffer: torch.Tensor):
         """A bucket laid out anew: the old state of its parameters moves over, nothing is misapplied."""
-        wanted = set(keys)
-        for old in [i for i, p in self._plans.items() if i == index or wanted.intersection(p.keys)]:
+        for old in _overlapping(self._plans, index, keys):
             plan = self._plans.pop(old)
             self._pool.update(plan.pieces())
             if getattr(plan, "owner_residual", None) is not None:
@@ -583,8 +583,10 @@ class CompressionState:
         self._plans[index] = plan
         return plan
 
-    def _make_plan(self, plan_type: type, index: int, keys, shapes, dtype: torch.dtype, device, world, rank):
-        return plan_type(self.codec, index, keys, shapes, dtype, device, world=world, rank=rank)
+    def _make_plan(self, plan_type: type, index: int, keys, shapes, dtype: torch.dtype, device, world, rank,
+                   codec=None):
+        return plan_type(codec if codec is not None else self.codec, index, keys, shapes, dtype, device, world=world,
+                         rank=rank)
 
     def _end_step(self) -> None:
         self.iter += 1
@@ -601,11 +603,11 @@ class CompressionState:
     # -- stats -----------------------------------------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
-        """{"step", "world_size", "schemes": {scheme: buckets laid out for it}, "last": the last finished step,
-        "total": since the start}. "last" and "total" hold the bytes this rank sent ("wire_bytes") and
-        received under each bucket's scheme; "raw_bytes", what plain DDP's ring allreduce would have sent
-        (2(W-1)/W of each bucket); "ratio" = raw / wire, the saving against plain DDP at this world size;
-        encode and decode seconds; buckets, compressed buckets and non-finite buckets."""
+        """{"step", "world_size", "schemes": {scheme: buckets the run's codec laid out for it (not the start
+        codec)}, "last": the last finished step, "total": since the start}. "last" and "total" hold the bytes
+        this rank sent ("wire_bytes") and received under each bucket's scheme; "raw_bytes", what plain DDP's
+        ring allreduce would have sent (2(W-1)/W of each bucket); "ratio" = raw / wire, the saving against plain
+        DDP at this world size; encode and decode seconds; buckets, compressed buckets and non-finite buckets."""
 
         def with_ratio(stats, device_nonfinite):
             stats = {**stats, "nonfinite_buckets": stats["nonfinite_buckets"] + device_nonfinite}
@@ -679,10 +681,15 @@ class CompressionState:
             plan.load_tensors(saved["tensors"])
             plans[saved["index"]] = plan
         start_plans = {}
-        for saved in state.get("start_buckets", []):  # states saved before start codecs have none
+        start_buckets = state.get("start_buckets", [])  # states saved before start codecs have none
+        if start_buckets and (self.start_codec is None or int(state["iter"]) >= self.start_iter):
+            raise ValueError(f"gradcomp: the state holds start-codec buckets at step {state['iter']}, but "
+                             f"start_codec={self.config()['start_codec']!r} with start_iter={self.start_iter}")
+        for saved in start_buckets:
             plan_type = self._saved_plan_type(saved["scheme"], self.start_codec)
-            start_plans[saved["index"]] = plan_type(self.start_codec, saved["index"], saved["keys"], saved["shapes"],
-                                                    _saved_dtype(saved["dtype"]), "cpu", world=world, rank=saved_rank)
+            start_plans[saved["index"]] = self._make_plan(plan_type, saved["index"], saved["keys"], saved["shapes"],
+                                                          _saved_dtype(saved["dtype"]), "cpu", world, saved_rank,
+                                                          self.start_codec)
         pool = {int(k): dict(v) for k, v in state["pool"].items()}
         for key, piece in pool.items():
             for name, tensor in piece.items():
@@ -718,7 +725,7 @@ class CompressionState:
         return fixed_scheme(self.codec) or AllgatherBucket.scheme
 
     def _saved_plan_type(self, scheme, codec=None) -> type:
-        codec = codec or self.codec
+        codec = codec if codec is not None else self.codec
         fixed = fixed_scheme(codec)
         allowed = [fixed] if fixed else [plan.scheme for plan in GATHERED]
         if scheme not in allowed:
@@ -750,17 +757,22 @@ class CompressionState:
 
     def __getstate__(self):
         return {name: getattr(self, name) for name in self.__slots__
-                if name not in ("process_group", "_sequencer", "_checks", "_param_keys", "_model", "_device_counts",
-                                "_start_plans")}
+                if name not in ("process_group", "_sequencer", "_checks", "_param_keys", "_model", "_device_counts")}
 
     def __setstate__(self, state):
         self.process_group = None
-        self.start_codec, self._start_plans = None, {}  # states pickled before there were start codecs have none
+        self.start_codec, self._start_plans = None, {}  # states pickled before start codecs have neither
         self._unbind()  # parameters are matched anew when the state meets its model
         for name, value in state.items():
             setattr(self, name, value)
         if "scheme" not in state:  # pickled before there were schemes to choose from
             self.scheme = "auto" if fixed_scheme(self.codec) else AllgatherBucket.scheme
+
+
+def _overlapping(plans: dict, index: int, keys) -> list[int]:
+    """The indices of the plans a bucket laid out anew replaces: its own index, and any holding one of its keys."""
+    wanted = set(keys)
+    return [i for i, plan in plans.items() if i == index or wanted.intersection(plan.keys)]
 
 
 def _stateless_start_codec(spec, start_iter: int):
@@ -776,8 +788,8 @@ def _stateless_start_codec(spec, start_iter: int):
     if isinstance(codec, PowerSGD) or codec.error_feedback:
         kept = "PowerSGD's Q" if isinstance(codec, PowerSGD) else "an error-feedback residual"
         raise ValueError(f"gradcomp: start_codec={spec!r} keeps {kept} between steps, which the run's codec could "
-                         f"not take over; a start codec keeps none: none, fp16, bf16, qsgd, terngrad, or signsgd, "
-                         f"topk or randomk with error_feedback=false")
+                         f"not take over; a start codec keeps none: any codec but powersgd, with error_feedback=false "
+                         f"(the default of none, fp16, bf16, qsgd and terngrad)")
     if start_iter == 0:
         raise ValueError(f"gradcomp: start_codec={spec!r} runs for the first start_iter steps, and start_iter=0 "
                          f"leaves it none; give start_iter >= 1")
@@ -856,8 +868,8 @@ def register(ddp_model: torch.nn.Module, spec: "str | CompressionState" = "topk"
     start_iter: steps of plain allreduce first (past DDP's bucket rebuild after step 0). Under AdamW a few % of
         the run's steps: much of what a codec costs there arises in the first steps.
     start_codec: a codec spec for those first steps in place of plain allreduce, one that keeps no state
-        between steps: e.g. "qsgd:levels=127" (about 4x smaller than plain; none, fp16, bf16, qsgd, terngrad,
-        or signsgd, topk or randomk with error_feedback=false).
+        between steps (any codec but powersgd, with error_feedback=false, the default of none, fp16, bf16, qsgd
+        and terngrad), e.g. "qsgd:levels=127", about 4x smaller than plain. It travels by `scheme` too.
     min_bucket_ratio: a bucket is compressed only when raw bytes > this x its bytes on the wire.
     log_every: log the cumulative stats to the "gradcomp" logger every N steps (0: never).
     """
@@ -880,8 +892,8 @@ def register(ddp_model: torch.nn.Module, spec: "str | CompressionState" = "topk"
         state.bind(ddp_model.module)
     else:
         state = CompressionState(spec, process_group=group, scheme=scheme, start_iter=start_iter,
-                                 start_codec=start_codec, min_bucket_ratio=min_bucket_ratio, log_every=log_every, model=ddp_model.module,
-                                 **codec_params)
+                                 start_codec=start_codec, min_bucket_ratio=min_bucket_ratio, log_every=log_every,
+                                 model=ddp_model.module, **codec_params)
     ddp_model.register_comm_hook(state, hook)
     ddp_model._gradcomp_state = state
     return state

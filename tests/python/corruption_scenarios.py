@@ -104,12 +104,13 @@ def pickled_state(rank, world, spec, split, total, phase, path, how="by hand"):
     and the pickle after `split` steps (written to path); "same process": the continuation registered in
     this process on a fresh model; "spawned": the continuation in fresh processes, from path. how: the
     unpickled state is registered "by hand" (ddp.register_comm_hook(state, gradcomp.hook)) or with
-    gradcomp.register(ddp, state)."""
+    gradcomp.register(ddp, state). spec: a codec spec, or (spec, register's options)."""
+    spec, options = (spec, {}) if isinstance(spec, str) else spec
     params = []
     if phase in ("full", "same process"):
         model = make_model()
         ddp = wrap(model)
-        state = gradcomp.register(ddp, spec)
+        state = gradcomp.register(ddp, spec, **options)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         train(ddp, optimizer, split, rank)
         blob = pickle.dumps({"comm_hook_state": state, "model": model.state_dict(),

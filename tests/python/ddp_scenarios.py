@@ -203,8 +203,8 @@ def on_gpu(rank, world, specs, steps):
 
 def started(rank, world, spec, start_spec, start_iter, steps):
     """spec registered with start_codec=start_spec for the first start_iter steps. Per step and bucket: the
-    bucket's gradient going in, its average coming out and the run's codec's residual before the hook; per
-    step: the stats and how many start-codec plans the state still holds."""
+    bucket's gradient going in, its average coming out and the run's codec's residual after the step; per
+    step: the stats, the state's memory and how many start-codec plans it still holds."""
     model = make_model()
     ddp = wrap(model)
     state = gradcomp.CompressionState(spec, start_iter=start_iter, start_codec=start_spec, min_bucket_ratio=0,
@@ -214,21 +214,24 @@ def started(rank, world, spec, start_spec, start_iter, steps):
     def recording_hook(state, bucket):
         step, index = state.iter, bucket.index()
         grad = bucket.buffer().detach().clone()
-        residual = {k: t.clone() for k, t in _residual_pieces(state._plans.get(index)).items()}
+        keys = [state._param_keys[id(p)] for p in bucket.parameters()]
+        shapes = [g.shape for g in bucket.gradients()]
 
         def record(done):
             out = done.value()
             out = out[0] if isinstance(out, list) else out
-            buckets.append({"step": step, "bucket": index, "grad": grad, "out": out.detach().clone(),
-                            "residual": residual})
+            residual = {k: t.clone() for k, t in _residual_pieces(state._plans.get(index)).items()}
+            buckets.append({"step": step, "bucket": index, "grad": grad, "out": out.detach().clone(), "keys": keys,
+                            "shapes": shapes, "residual": residual})
             return out
 
         return gradcomp.hook(state, bucket).then(record)
 
     ddp.register_comm_hook(state, recording_hook)
     train(ddp, torch.optim.SGD(model.parameters(), lr=0.1), steps, rank,
-          record=lambda step: steps_seen.append({**state.stats()["last"], "start_plans": len(state._start_plans)}))
-    return {"buckets": buckets, "steps": steps_seen, "memory_bytes": state.memory_bytes()}
+          record=lambda step: steps_seen.append({**state.stats()["last"], "start_plans": len(state._start_plans),
+                                                 "memory_bytes": state.memory_bytes()}))
+    return {"buckets": buckets, "steps": steps_seen}
 
 
 def _residual_pieces(plan):
@@ -239,7 +242,8 @@ def _residual_pieces(plan):
 
 def resume(rank, world, specs, total, split, workdir, phase):
     """phase "full": total steps uninterrupted, and the first `split` steps with a checkpoint;
-    phase "second": fresh processes load that checkpoint and run the rest. Returns the parameters."""
+    phase "second": fresh processes load that checkpoint and run the rest. Returns the parameters, by the spec's
+    position in specs."""
     results = {}
     for index, spec in enumerate(specs):
         path = os.path.join(workdir, f"ckpt.{index}.rank{rank}.pt")

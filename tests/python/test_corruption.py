@@ -93,7 +93,9 @@ def test_finite_gradients_never_give_a_nonfinite_average_residual_or_q(case):
 # -- state that follows its model -----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("spec", ["topk:ratio=0.1", "signsgd", "powersgd:rank=2"])
+@pytest.mark.parametrize("spec", ["topk:ratio=0.1", "signsgd", "powersgd:rank=2",
+                                  ("topk:ratio=0.1", {"start_iter": 8, "start_codec": "qsgd:levels=127"})],
+                         ids=["topk", "signsgd", "powersgd", "topk pickled during its start codec"])
 def test_a_pickled_state_continues_the_run_bit_for_bit(spec, tmp_path):
     split, total = 5, 12
     path = str(tmp_path / "state.pkl")

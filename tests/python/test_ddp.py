@@ -136,15 +136,17 @@ def test_resume_in_fresh_processes_is_bit_identical(tmp_path):
         for index, spec in enumerate(RESUMED):
             for a, b in zip(full[rank][index], resumed[rank][index]):
                 assert torch.equal(a, b), (spec, rank, (a - b).abs().max())
+        during_start = torch.load(tmp_path / f"ckpt.{len(RESUMED) - 2}.rank{rank}.pt", weights_only=False)
+        assert during_start["gradcomp"]["start_buckets"], "saved at step 4 of 5 start steps, it holds their layout"
 
 
 def test_start_codec_runs_the_first_steps_then_hands_over_with_nothing_carried():
     """topk after 3 steps of signs without error feedback, on 2 ranks: each of the first 3 steps' buckets
-    arrives as the signs' average of the two ranks' gradients, at the signs' bytes; then topk starts with a
-    zero residual, and the start codec's plans are gone."""
+    arrives as the signs' average of the two ranks' gradients, at the signs' bytes, and the state holds no
+    memory; then topk starts from a zero residual, and the start codec's plans are gone."""
     world, start_iter, steps, start_spec = 2, 3, 6, "signsgd:error_feedback=false"
     results = unwrap(run_ranks(scenarios.started, world, ("topk:ratio=0.1", start_spec, start_iter, steps)))
-    signs = gradcomp.codec(start_spec)
+    signs, topk = gradcomp.codec(start_spec), gradcomp.codec("topk:ratio=0.1")
     by_step_bucket = [{(b["step"], b["bucket"]): b for b in r["buckets"]} for r in results]
     assert by_step_bucket[0].keys() == by_step_bucket[1].keys()
     sent_in_step = [0] * steps
@@ -160,13 +162,17 @@ def test_start_codec_runs_the_first_steps_then_hands_over_with_nothing_carried()
             sent_in_step[step] += (world - 1) * payloads[0].numel() * payloads[0].element_size()  # allgather
         else:
             assert nonzero <= 2 * 0.1 + 0.05, (step, index, nonzero)  # topk's 10% from each rank
-            if step == start_iter:
-                assert all(not r["residual"] or all(t.count_nonzero() == 0 for t in r["residual"].values())
-                           for r in both), "the run's codec started with a residual"
+            if step == start_iter:  # from a zero residual, what topk leaves of the gradient alone stays
+                for rank, b in enumerate(both):
+                    payload = topk.encode(b["grad"], None, step=step, bucket=index, rank=rank)
+                    unsent = b["grad"] - topk.decode_sum(payload, torch.empty_like(b["grad"]))
+                    residual = torch.cat([b["residual"][k].reshape(-1) for k in b["keys"]])
+                    torch.testing.assert_close(residual, unsent, rtol=0, atol=0)
     for rank_result in results:
         for step, stats in enumerate(rank_result["steps"]):
             if step < start_iter:
                 assert stats["wire_bytes"] == sent_in_step[step] and stats["raw_bytes"] > 20 * stats["wire_bytes"]
+                assert stats["memory_bytes"] == 0, (step, stats)
             assert stats["compressed_buckets"] == stats["buckets"] > 0, (step, stats)
             assert stats["start_plans"] == (0 if step >= start_iter - 1 else stats["buckets"]), (step, stats)
 

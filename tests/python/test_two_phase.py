@@ -182,14 +182,17 @@ GATHERED = ["signsgd", "terngrad", "qsgd", "topk", "qsgd:error_feedback=true"]
 def test_resume_in_fresh_processes_is_bit_identical_on_3_ranks(tmp_path):
     """At 3 ranks the default scheme takes two-phase for the larger buckets: the owners' residuals are state
     and resume exactly."""
-    full = unwrap(run_ranks(ddp_scenarios.resume, 3, (GATHERED, 7, 4, str(tmp_path), "full")))
-    resumed = unwrap(run_ranks(ddp_scenarios.resume, 3, (GATHERED, 7, 4, str(tmp_path), "second")))
+    specs = [*GATHERED, ("qsgd", {"start_iter": 5, "start_codec": "qsgd:levels=127"})]  # saved mid-start
+    full = unwrap(run_ranks(ddp_scenarios.resume, 3, (specs, 7, 4, str(tmp_path), "full")))
+    resumed = unwrap(run_ranks(ddp_scenarios.resume, 3, (specs, 7, 4, str(tmp_path), "second")))
     for rank in range(3):
         saved = torch.load(tmp_path / f"ckpt.0.rank{rank}.pt", weights_only=False)["gradcomp"]
         two_phase = [b for b in saved["buckets"] if b["scheme"] == "two-phase"]  # small ones may take allgather
         assert two_phase and all(b["tensors"]["owner_residual"] is not None for b in two_phase)
-        for spec in GATHERED:
-            for a, b in zip(full[rank][spec], resumed[rank][spec]):
+        started = torch.load(tmp_path / f"ckpt.{len(GATHERED)}.rank{rank}.pt", weights_only=False)["gradcomp"]
+        assert any(b["scheme"] == "two-phase" for b in started["start_buckets"])
+        for index, spec in enumerate(specs):
+            for a, b in zip(full[rank][index], resumed[rank][index]):
                 assert torch.equal(a, b), (spec, rank, (a - b).abs().max())
 
 
