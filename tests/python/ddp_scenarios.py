@@ -151,29 +151,8 @@ def training(rank, world, specs, steps):
         gathered = gradcomp.schemes.fixed_scheme(gradcomp.codec(spec)) is None
         state = gradcomp.CompressionState(spec, model=model, **({"scheme": "allgather"} if gathered else {}))
         records = []
-
-        def checking_hook(state, bucket, records=records):
-            step, index = state.iter, bucket.index()
-            grad = bucket.buffer().detach().clone()
-            before = state._plans.get(index)
-            old = {k: t.clone() for k, t in _residual_pieces(before).items()}
-            future = gradcomp.hook(state, bucket)
-            if step < state.start_iter or step >= state.start_iter + 3:
-                return future
-            keys = [state._param_keys[id(p)] for p in bucket.parameters()]
-            shapes = [g.shape for g in bucket.gradients()]
-
-            def snapshot(done):
-                out = done.value()
-                out = out[0] if isinstance(out, list) else out
-                new = {k: t.clone() for k, t in _residual_pieces(state._plans.get(index)).items()}
-                records.append({"step": step, "bucket": index, "rank": rank, "keys": keys, "shapes": shapes,
-                                "grad": grad, "out": out.detach().clone(), "old": old, "new": new})
-                return out
-
-            return future.then(snapshot)
-
-        ddp.register_comm_hook(state, checking_hook)
+        first_compressed = range(state.start_iter, state.start_iter + 3)
+        ddp.register_comm_hook(state, recording_hook(records, rank, wanted=first_compressed.__contains__))
         optimizer = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
         losses = train(ddp, optimizer, steps, rank)
         results[spec] = {"losses": losses, "records": records, "stats": state.stats(), "start_iter": state.start_iter}
@@ -203,35 +182,46 @@ def on_gpu(rank, world, specs, steps):
 
 def started(rank, world, spec, start_spec, start_iter, steps):
     """spec registered with start_codec=start_spec for the first start_iter steps. Per step and bucket: the
-    bucket's gradient going in, its average coming out and the run's codec's residual after the step; per
+    bucket's gradient going in, its average coming out and the run's codec's residual after the step ("new"); per
     step: the stats, the state's memory and how many start-codec plans it still holds."""
     model = make_model()
     ddp = wrap(model)
     state = gradcomp.CompressionState(spec, start_iter=start_iter, start_codec=start_spec, min_bucket_ratio=0,
                                       model=model)
     buckets, steps_seen = [], []
-
-    def recording_hook(state, bucket):
-        step, index = state.iter, bucket.index()
-        grad = bucket.buffer().detach().clone()
-        keys = [state._param_keys[id(p)] for p in bucket.parameters()]
-        shapes = [g.shape for g in bucket.gradients()]
-
-        def record(done):
-            out = done.value()
-            out = out[0] if isinstance(out, list) else out
-            residual = {k: t.clone() for k, t in _residual_pieces(state._plans.get(index)).items()}
-            buckets.append({"step": step, "bucket": index, "grad": grad, "out": out.detach().clone(), "keys": keys,
-                            "shapes": shapes, "residual": residual})
-            return out
-
-        return gradcomp.hook(state, bucket).then(record)
-
-    ddp.register_comm_hook(state, recording_hook)
+    ddp.register_comm_hook(state, recording_hook(buckets, rank))
     train(ddp, torch.optim.SGD(model.parameters(), lr=0.1), steps, rank,
           record=lambda step: steps_seen.append({**state.stats()["last"], "start_plans": len(state._start_plans),
                                                  "memory_bytes": state.memory_bytes()}))
     return {"buckets": buckets, "steps": steps_seen}
+
+
+def recording_hook(records: list, rank: int, wanted=lambda step: True):
+    """gradcomp's hook, appending to records, per bucket of the steps wanted: its step, index, rank, parameter keys
+    and shapes, the gradient going in, the average coming out, and the run's codec's residual pieces before the
+    step ("old") and after it ("new")."""
+
+    def hook(state, bucket):
+        step, index = state.iter, bucket.index()
+        grad = bucket.buffer().detach().clone()
+        old = {k: t.clone() for k, t in _residual_pieces(state._plans.get(index)).items()}
+        future = gradcomp.hook(state, bucket)
+        if not wanted(step):
+            return future
+        keys = [state._param_keys[id(p)] for p in bucket.parameters()]
+        shapes = [g.shape for g in bucket.gradients()]
+
+        def snapshot(done):
+            out = done.value()
+            out = out[0] if isinstance(out, list) else out
+            new = {k: t.clone() for k, t in _residual_pieces(state._plans.get(index)).items()}
+            records.append({"step": step, "bucket": index, "rank": rank, "keys": keys, "shapes": shapes,
+                            "grad": grad, "out": out.detach().clone(), "old": old, "new": new})
+            return out
+
+        return future.then(snapshot)
+
+    return hook
 
 
 def _residual_pieces(plan):

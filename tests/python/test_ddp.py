@@ -166,7 +166,7 @@ def test_start_codec_runs_the_first_steps_then_hands_over_with_nothing_carried()
                 for rank, b in enumerate(both):
                     payload = topk.encode(b["grad"], None, step=step, bucket=index, rank=rank)
                     unsent = b["grad"] - topk.decode_sum(payload, torch.empty_like(b["grad"]))
-                    residual = torch.cat([b["residual"][k].reshape(-1) for k in b["keys"]])
+                    residual = torch.cat([b["new"][k].reshape(-1) for k in b["keys"]])
                     torch.testing.assert_close(residual, unsent, rtol=0, atol=0)
     for rank_result in results:
         for step, stats in enumerate(rank_result["steps"]):
