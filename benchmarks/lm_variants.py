@@ -26,8 +26,7 @@ scaledtopk:ratio=R[,by=element|tensor|none][,warmup=N][,keep=K]: topk with error
     the first N compressed steps. keep=K: the residual is multiplied by K each step (1: error feedback, 0: none),
     so that mass left unsent for long fades.
 --start-codec SPEC: gradcomp.register's start_codec: SPEC (one without error feedback) in place of plain allreduce
-    for the first --plain-steps steps, then the run's codec. Runs in results from before gradcomp had the option
-    (their JSON names a commit before it) sent their first 2 steps plain.
+    for the first --plain-steps steps, then the run's codec.
 --plain-steps N: N steps of plain allreduce (or of --start-codec) before the run's codec starts (gradcomp.register's
     start_iter; default 2; with --freeze-variance-after, the larger of the two).
 --spread decay|hold: gradcomp's codec, its averaged gradient handed to the optimizer spread out in time by how
@@ -175,15 +174,20 @@ def sparse_block_sign_decoded(m: torch.Tensor, block: int, sent: torch.Tensor) -
     return decoded
 
 
-def local_momentum(state: BlockSignState, index: int, grad: torch.Tensor) -> torch.Tensor:
-    """This rank's running mean of its own gradient (its weight on the newest: 1 - momentum), plain steps included.
-    Should DDP re-lay a bucket after step 0 without changing its size, step 0's part sits on other elements and
-    fades by `momentum` per step."""
-    mean = state.momenta.get(index)
-    if mean is None or mean.numel() != grad.numel():  # DDP rebuilt its buckets
-        mean = state.momenta[index] = grad.clone()
+def running_mean(store: dict[int, torch.Tensor], index: int, value: torch.Tensor, beta: float) -> torch.Tensor:
+    """store's running mean for bucket `index` (beta on the old mean, 1 - beta on value), started at value when it
+    has none or DDP rebuilt its buckets. Should DDP re-lay a bucket after step 0 without changing its size, step 0's
+    part sits on other elements and fades by beta per step."""
+    mean = store.get(index)
+    if mean is None or mean.numel() != value.numel():
+        mean = store[index] = value.clone()
         return mean
-    return mean.mul_(state.momentum).add_(grad, alpha=1 - state.momentum)
+    return mean.mul_(beta).add_(value, alpha=1 - beta)
+
+
+def local_momentum(state: BlockSignState, index: int, grad: torch.Tensor) -> torch.Tensor:
+    """This rank's running mean of its own gradient (its weight on the newest: 1 - momentum), plain steps included."""
+    return running_mean(state.momenta, index, grad, state.momentum)
 
 
 def begin_bucket(state: StandInState, bucket: dist.GradBucket) -> tuple[torch.Tensor, int, int, int, int]:
@@ -282,8 +286,7 @@ def scaled_top_k_sent(m: torch.Tensor, mean_square: torch.Tensor | None, k: int)
 
 
 def running_mean_square(state: ScaledTopKState, bucket: dist.GradBucket) -> torch.Tensor:
-    """This rank's running mean of the squared gradient, per element or per parameter, plain steps included (see
-    local_momentum on DDP's re-laid buckets)."""
+    """This rank's running mean of the squared gradient, per element or per parameter, plain steps included."""
     grad, index = bucket.buffer(), bucket.index()
     if state.by == "tensor":
         sizes = [p.numel() for p in bucket.parameters()]
@@ -293,11 +296,7 @@ def running_mean_square(state: ScaledTopKState, bucket: dist.GradBucket) -> torc
         squares = tensor_mean_squares(grad, sizes)
     else:
         squares = grad.square()
-    mean_square = state.mean_squares.get(index)
-    if mean_square is None or mean_square.numel() != grad.numel():  # DDP rebuilt its buckets
-        state.mean_squares[index] = squares
-        return squares
-    return mean_square.mul_(SCALE_BETA).add_(squares, alpha=1 - SCALE_BETA)
+    return running_mean(state.mean_squares, index, squares, SCALE_BETA)
 
 
 def scaled_top_k_hook(state: ScaledTopKState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

@@ -446,9 +446,9 @@ class CompressionState:
             if (starting and self.start_codec is None) or not self._compressible(buffer):
                 future = self._plain(step, buffer)
             elif starting:
-                future = self._start(step, bucket, buffer)
+                future = self._compressed(step, bucket, buffer, self._start_plans, self._new_start_plan)
             else:
-                future = self._compressed(step, bucket, buffer)
+                future = self._compressed(step, bucket, buffer, self._plans, self._new_plan)
             if bucket.is_last():
                 self._sequencer.close()
         except BaseException as error:
@@ -484,35 +484,19 @@ class CompressionState:
         tensor.div_(step.world)
         return step.allreduce(tensor).then(lambda done: value_or_raise(done)[0])
 
-    def _compressed(self, step: _Step, bucket: dist.GradBucket, buffer: torch.Tensor) -> torch.futures.Future:
+    def _compressed(self, step: _Step, bucket: dist.GradBucket, buffer: torch.Tensor, plans: dict,
+                    new_plan) -> torch.futures.Future:
+        """The bucket under the codec of `plans` (the run's, or the start codec's): by its plan; as the saved plans
+        that together make it up (a bucket made of whole earlier or saved buckets, such as a fresh DDP's first one,
+        goes as those, so a resumed run repeats the uninterrupted one); else by new_plan's."""
         keys = tuple(self._param_keys[id(p)] for p in bucket.parameters())
         views = bucket.gradients()
-        plan = self._plans.get(bucket.index())
+        plan = plans.get(bucket.index())
         if plan is None or plan.keys != keys:
-            saved = self._saved_buckets_covering(self._plans, keys, views, buffer.dtype)
+            saved = self._saved_buckets_covering(plans, keys, views, buffer.dtype)
             if saved:
                 return self._launch_saved(step, saved, dict(zip(keys, views)), buffer)
-            plan = self._new_plan(step, bucket.index(), keys, [v.shape for v in views], buffer)
-        return self._launch(step, plan, buffer, views)
-
-    def _start(self, step: _Step, bucket: dist.GradBucket, buffer: torch.Tensor) -> torch.futures.Future:
-        """A warm-up step under the start codec. It keeps no state, so nothing moves when a bucket is laid out
-        anew; but the layout decides the codec's blocks and random streams, so a bucket made of whole earlier
-        (or saved) buckets goes as those, as under the run's codec, and a resumed run repeats the uninterrupted one."""
-        keys = tuple(self._param_keys[id(p)] for p in bucket.parameters())
-        views = bucket.gradients()
-        index = bucket.index()
-        plan = self._start_plans.get(index)
-        if plan is None or plan.keys != keys:
-            saved = self._saved_buckets_covering(self._start_plans, keys, views, buffer.dtype)
-            if saved:
-                return self._launch_saved(step, saved, dict(zip(keys, views)), buffer)
-            for old in _overlapping(self._start_plans, index, keys):
-                del self._start_plans[old]
-            plan_type = plan_class(self.start_codec, self.scheme, buffer.numel(), buffer.dtype, step.world)
-            plan = self._start_plans[index] = self._make_plan(plan_type, index, keys, [v.shape for v in views],
-                                                              buffer.dtype, buffer.device, step.world, step.rank,
-                                                              self.start_codec)
+            plan = new_plan(step, bucket.index(), keys, [v.shape for v in views], buffer)
         return self._launch(step, plan, buffer, views)
 
     def _launch(self, step: _Step, plan, flat: torch.Tensor, views) -> torch.futures.Future:
@@ -581,6 +565,17 @@ class CompressionState:
                                shapes, buffer.dtype, buffer.device, step.world, step.rank)
         plan.take(self._pool)
         self._plans[index] = plan
+        return plan
+
+    def _new_start_plan(self, step: _Step, index: int, keys, shapes, buffer: torch.Tensor):
+        """A bucket laid out anew during the start steps: the start codec keeps no state, so the plans it replaces
+        are dropped."""
+        for old in _overlapping(self._start_plans, index, keys):
+            del self._start_plans[old]
+        plan_type = plan_class(self.start_codec, self.scheme, buffer.numel(), buffer.dtype, step.world)
+        plan = self._make_plan(plan_type, index, keys, shapes, buffer.dtype, buffer.device, step.world, step.rank,
+                               self.start_codec)
+        self._start_plans[index] = plan
         return plan
 
     def _make_plan(self, plan_type: type, index: int, keys, shapes, dtype: torch.dtype, device, world, rank,
@@ -674,10 +669,7 @@ class CompressionState:
         plans = {}
         world, saved_rank = saved_config.get("world_size") or 1, state.get("rank") or 0
         for saved in state["buckets"]:
-            dtype = _saved_dtype(saved["dtype"])
-            plan_type = self._saved_plan_type(saved.get("scheme", self._scheme_before_schemes()))
-            plan = self._make_plan(plan_type, saved["index"], saved["keys"], saved["shapes"], dtype, "cpu", world,
-                                   saved_rank)
+            plan = self._plan_from_layout(saved, world, saved_rank)
             plan.load_tensors(saved["tensors"])
             plans[saved["index"]] = plan
         start_plans = {}
@@ -686,10 +678,7 @@ class CompressionState:
             raise ValueError(f"gradcomp: the state holds start-codec buckets at step {state['iter']}, but "
                              f"start_codec={self.config()['start_codec']!r} with start_iter={self.start_iter}")
         for saved in start_buckets:
-            plan_type = self._saved_plan_type(saved["scheme"], self.start_codec)
-            start_plans[saved["index"]] = self._make_plan(plan_type, saved["index"], saved["keys"], saved["shapes"],
-                                                          _saved_dtype(saved["dtype"]), "cpu", world, saved_rank,
-                                                          self.start_codec)
+            start_plans[saved["index"]] = self._plan_from_layout(saved, world, saved_rank, self.start_codec)
         pool = {int(k): dict(v) for k, v in state["pool"].items()}
         for key, piece in pool.items():
             for name, tensor in piece.items():
@@ -723,6 +712,13 @@ class CompressionState:
     def _scheme_before_schemes(self) -> str:
         """The scheme of a state saved before states named their schemes: the codec's one, else allgather."""
         return fixed_scheme(self.codec) or AllgatherBucket.scheme
+
+    def _plan_from_layout(self, saved: dict, world: int, rank: int, codec=None):
+        """A plan on the CPU for a saved bucket's layout (state_dict's "buckets" and "start_buckets" entries), under
+        codec (by default the run's); its tensors are the caller's to load."""
+        plan_type = self._saved_plan_type(saved.get("scheme", self._scheme_before_schemes()), codec)
+        return self._make_plan(plan_type, saved["index"], saved["keys"], saved["shapes"], _saved_dtype(saved["dtype"]),
+                               "cpu", world, rank, codec)
 
     def _saved_plan_type(self, scheme, codec=None) -> type:
         codec = codec if codec is not None else self.codec
