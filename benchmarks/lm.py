@@ -209,6 +209,11 @@ def make_optimizer(model: nn.Module, config: Config) -> torch.optim.Optimizer:
                               {"params": others, "weight_decay": 0.0}], lr=config.peak_lr, betas=(0.9, 0.95))
 
 
+def clip_gradients(model: nn.Module, config: Config) -> torch.Tensor:
+    """Clips the averaged gradient to config.clip_norm; returns its norm before."""
+    return nn.utils.clip_grad_norm_(model.parameters(), config.clip_norm)
+
+
 def training_batch(train: torch.Tensor, config: Config, seed: int, step: int, rank: int) -> torch.Tensor:
     """batch_per_rank random windows of context + 1 tokens, the same for a (seed, step, rank) in every run."""
     generator = torch.Generator().manual_seed((seed * 1_000_003 + step) * 1024 + rank)
@@ -255,7 +260,7 @@ def train_one(corpus: dict, config: Config, spec: str, seed: int, world: int, ra
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         # The norm of the averaged gradient is the same on every rank, so every rank stops at the same step.
-        grad_norm = nn.utils.clip_grad_norm_(model.parameters(), config.clip_norm)
+        grad_norm = clip_gradients(model, config)
         if not torch.isfinite(grad_norm):
             diverged_at = step
             break

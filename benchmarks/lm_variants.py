@@ -6,6 +6,7 @@ it is built into a codec.
     python benchmarks/lm_variants.py --spread decay --codecs topk:ratio=0.01 --out DIR
     python benchmarks/lm_variants.py --plain-steps 30 --codecs signsgd:error_feedback=false --out DIR
     python benchmarks/lm_variants.py --codecs scaledtopk:ratio=0.01,by=none,warmup=120 --out DIR
+    python benchmarks/lm_variants.py --local-variance 256 --codecs none topk:ratio=0.01 --out DIR
 
 blocksign:block=B[,error_feedback=0][,fraction=F[,hold=1]]: signsgd with one scale, the mean |m| of its block,
     per block of B elements of the bucket; m = gradient + residual. It measured the fix before gradcomp's signsgd
@@ -31,6 +32,11 @@ scaledtopk:ratio=R[,by=element|tensor|none][,warmup=N][,keep=K]: topk with error
     start_iter; default 2; with --freeze-variance-after, the larger of the two).
 --spread decay|hold: gradcomp's codec, its averaged gradient handed to the optimizer spread out in time by how
     long each element went unsent (class Spread), against the bursts error feedback makes of rarely sent elements.
+--local-variance B: AdamW's second moment made of each rank's own gradient squared, taken before the codec and
+    averaged over the ranks (one mean per block of B elements of a parameter, B=1 per element; an allreduce per
+    step, its bytes counted), instead of the codec's averaged gradient squared (class VariantAdamW). The
+    step is then linear in what the codec delivers, and error feedback's bursts arrive at full size instead of
+    being divided by themselves. The clipping uses the same squares' norm.
 --freeze-variance-after N: 1-bit Adam's recipe. N steps of plain allreduce (the hook's start_iter), then AdamW's
     second moment stops changing, so that its step becomes linear in the gradient; every codec applies.
 
@@ -63,6 +69,8 @@ SPREAD_ENV = "GRADCOMP_LM_SPREAD"
 SPREAD = os.environ.get(SPREAD_ENV, "")
 START_CODEC_ENV = "GRADCOMP_LM_START_CODEC"
 START_CODEC = os.environ.get(START_CODEC_ENV, "")
+LOCAL_VARIANCE_ENV = "GRADCOMP_LM_LOCAL_VARIANCE"
+LOCAL_VARIANCE = int(os.environ.get(LOCAL_VARIANCE_ENV, "0"))  # VariantAdamW's block; 0: torch's AdamW
 
 
 class Spread:
@@ -343,6 +351,12 @@ def parse_scaled_top_k(spec: str) -> tuple[float, str, int, float]:
 
 def register_codec(ddp, spec: str, scheme: str):
     plain_steps = max(FREEZE_AFTER, PLAIN_STEPS)
+    if LOCAL_VARIANCE:
+        squares = RUN_SQUARES[0]
+        squares.state = gradcomp.CompressionState(spec, scheme=scheme, start_iter=plain_steps,
+                                                  start_codec=START_CODEC or None, model=ddp.module)
+        ddp.register_comm_hook(squares, local_squares_hook)
+        return squares
     if SPREAD:
         state = gradcomp.CompressionState(spec, scheme=scheme, start_iter=plain_steps, model=ddp.module)
         ddp.register_comm_hook(Spread(state, SPREAD), spread_hook)
@@ -362,7 +376,7 @@ def register_codec(ddp, spec: str, scheme: str):
 
 
 def check_spec(spec: str) -> None:
-    for option, given in (("--spread", SPREAD), ("--start-codec", START_CODEC)):
+    for option, given in (("--spread", SPREAD), ("--start-codec", START_CODEC), ("--local-variance", LOCAL_VARIANCE)):
         if spec.startswith(("blocksign", "scaledtopk")) and given:
             raise ValueError(f"{option} applies to gradcomp's codecs, not to blocksign or scaledtopk")
     if spec.startswith("blocksign"):
@@ -373,17 +387,82 @@ def check_spec(spec: str) -> None:
         gradcomp.codec(spec)
 
 
-class FrozenVarianceAdamW(torch.optim.Optimizer):
-    """torch's AdamW (decoupled weight decay, bias-corrected moments) whose second moment, and its bias
-    correction, stop changing after `freeze_after` steps."""
+class LocalSquares:
+    """Each rank's own gradient squared, per parameter, taken in the hook before the codec sees it; what
+    LocalVarianceAdamW's second moment is made of. Wraps gradcomp's hook and state."""
+
+    def __init__(self):
+        self.state = None
+        self.local: dict[torch.Tensor, torch.Tensor] = {}
+        self.wire_bytes = 0  # the statistic's allreduce, per rank
+
+    @property
+    def spec(self) -> str:
+        return self.state.spec
+
+    def stats(self) -> dict:
+        stats = self.state.stats()
+        total = dict(stats["total"], wire_bytes=stats["total"]["wire_bytes"] + self.wire_bytes)
+        return dict(stats, total=total)
+
+
+def local_squares_hook(squares: LocalSquares, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    for parameter, grad in zip(bucket.parameters(), bucket.gradients()):
+        squares.local[parameter] = grad.detach().square()
+    return gradcomp.hook(squares.state, bucket)
+
+
+def block_means(values: torch.Tensor, block: int) -> torch.Tensor:
+    """The mean of each block of `block` elements of values, flattened (the last block may be short)."""
+    flat = values.flatten()
+    sums = torch.zeros((flat.numel() + block - 1) // block, dtype=flat.dtype, device=flat.device)
+    index = torch.arange(flat.numel(), device=flat.device) // block
+    counts = torch.bincount(index, minlength=sums.numel()).to(flat.dtype)
+    return sums.index_add_(0, index, flat) / counts
+
+
+class VariantAdamW(torch.optim.Optimizer):
+    """torch's AdamW (decoupled weight decay, bias-corrected moments), with two variants of its second moment.
+
+    freeze_after=N: the second moment, and its bias correction, stop changing after N steps (1-bit Adam).
+    squares (LocalSquares): the second moment is made of every rank's own gradient squared, averaged over the
+        ranks (one allreduce per step, counted in the run's bytes), not of the codec's averaged gradient: the
+        same on every rank, and blind to how the codec delivers the gradient (error feedback's bursts). Per
+        element (block=1) or one mean per block of `block` elements of each parameter. The clipping is done
+        here, by the norm those squares give (the norm of the ranks' own gradients), on both moments alike;
+        lm.py's clipping then only measures the norm."""
 
     def __init__(self, params, lr: float, betas: tuple[float, float], weight_decay: float = 0.0,
-                 eps: float = 1e-8, freeze_after: int = 0):
+                 eps: float = 1e-8, freeze_after: int = 0, squares: LocalSquares | None = None, block: int = 1,
+                 clip_norm: float = 0.0):
         super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay, eps=eps))
-        self.freeze_after = freeze_after
+        self.freeze_after, self.squares, self.block, self.clip_norm = freeze_after, squares, block, clip_norm
+
+    @torch.no_grad()
+    def shared_squares(self, params: list[torch.Tensor]) -> tuple[list[torch.Tensor], float]:
+        """Per parameter, the ranks' mean of their own gradient squared (per block, expanded back to the
+        parameter's shape), and the clipping factor for the norm it gives."""
+        reduced = [block_means(self.squares.local.pop(p), self.block) for p in params]
+        flat = torch.cat(reduced)
+        world = dist.get_world_size()
+        dist.all_reduce(flat)
+        flat /= world
+        self.squares.wire_bytes += ring_allreduce_bytes(flat.numel() * flat.element_size(), world)
+        shared, offset, norm_square = [], 0, 0.0
+        for p, mine in zip(params, reduced):
+            means = flat[offset:offset + mine.numel()]
+            offset += mine.numel()
+            expanded = means.repeat_interleave(self.block)[:p.numel()].view_as(p)
+            norm_square += float(expanded.sum())
+            shared.append(expanded)
+        scale = min(1.0, self.clip_norm / (norm_square ** 0.5 + 1e-6)) if self.clip_norm else 1.0
+        return shared, scale
 
     @torch.no_grad()
     def step(self):
+        params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+        shared, scale = self.shared_squares(params) if self.squares else (None, 1.0)
+        variance_inputs = dict(zip(params, shared)) if shared else {}
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for p in group["params"]:
@@ -394,8 +473,11 @@ class FrozenVarianceAdamW(torch.optim.Optimizer):
                     state.update(step=0, variance_steps=0, m=torch.zeros_like(p), v=torch.zeros_like(p))
                 state["step"] += 1
                 p.mul_(1 - group["lr"] * group["weight_decay"])
-                state["m"].mul_(beta1).add_(p.grad, alpha=1 - beta1)
-                if state["step"] <= self.freeze_after:
+                state["m"].mul_(beta1).add_(p.grad, alpha=(1 - beta1) * scale)
+                if p in variance_inputs:
+                    state["v"].mul_(beta2).add_(variance_inputs[p], alpha=(1 - beta2) * scale * scale)
+                    state["variance_steps"] = state["step"]
+                elif not self.freeze_after or state["step"] <= self.freeze_after:
                     state["v"].mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
                     state["variance_steps"] = state["step"]
                 m_hat = state["m"] / (1 - beta1 ** state["step"])
@@ -403,29 +485,52 @@ class FrozenVarianceAdamW(torch.optim.Optimizer):
                 p.addcdiv_(m_hat, v_hat.sqrt_().add_(group["eps"]), value=-group["lr"])
 
 
+RUN_SQUARES: list[LocalSquares] = []  # the running optimizer's, for register_codec (one run at a time per rank)
+
+
 def make_optimizer(model, config: lm.Config) -> torch.optim.Optimizer:
-    if not FREEZE_AFTER:
+    if not FREEZE_AFTER and not LOCAL_VARIANCE:
         return ADAMW_OR_SGD(model, config)
+    squares = None
+    if LOCAL_VARIANCE:
+        squares = LocalSquares()
+        RUN_SQUARES[:] = [squares]
     decayed = [p for p in model.parameters() if p.dim() >= 2]
     others = [p for p in model.parameters() if p.dim() < 2]
-    return FrozenVarianceAdamW([{"params": decayed, "weight_decay": config.weight_decay},
-                                {"params": others, "weight_decay": 0.0}],
-                               lr=config.peak_lr, betas=(0.9, 0.95), freeze_after=FREEZE_AFTER)
+    return VariantAdamW([{"params": decayed, "weight_decay": config.weight_decay},
+                         {"params": others, "weight_decay": 0.0}],
+                        lr=config.peak_lr, betas=(0.9, 0.95), freeze_after=FREEZE_AFTER, squares=squares,
+                        block=LOCAL_VARIANCE, clip_norm=config.clip_norm)
+
+
+def measure_only(model, config: lm.Config) -> torch.Tensor:
+    """The averaged gradient's norm, unclipped: VariantAdamW clips by its local squares' norm."""
+    return torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
 
 
 ADAMW_OR_SGD = lm.make_optimizer
 # lm.train_one and lm.parse_args look these up in lm's globals when they run, in every rank.
 lm.register_codec, lm.check_spec, lm.make_optimizer = register_codec, check_spec, make_optimizer
+if LOCAL_VARIANCE:
+    lm.clip_gradients = measure_only
 
 
 def main() -> None:
-    global FREEZE_AFTER, SPREAD, PLAIN_STEPS, START_CODEC
+    global FREEZE_AFTER, SPREAD, PLAIN_STEPS, START_CODEC, LOCAL_VARIANCE
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--plain-steps", type=int, default=PLAIN_STEPS)
     parser.add_argument("--freeze-variance-after", type=int, default=0)
     parser.add_argument("--spread", choices=["decay", "hold"], default="")
     parser.add_argument("--start-codec", default="")
+    parser.add_argument("--local-variance", type=int, default=0, metavar="BLOCK")
     known, rest = parser.parse_known_args()
+    if known.local_variance < 0 or (known.local_variance and (known.spread or known.freeze_variance_after)):
+        raise SystemExit(f"--local-variance takes a block size >= 1 (0: off), got {known.local_variance}, and "
+                         "goes with neither --spread nor --freeze-variance-after")
+    os.environ[LOCAL_VARIANCE_ENV] = str(known.local_variance)
+    LOCAL_VARIANCE = known.local_variance
+    if LOCAL_VARIANCE:
+        lm.clip_gradients = measure_only
     if known.start_codec:
         if known.spread or known.freeze_variance_after:
             raise SystemExit("--start-codec goes with neither --spread nor --freeze-variance-after")
@@ -439,8 +544,8 @@ def main() -> None:
     PLAIN_STEPS = known.plain_steps
     os.environ[SPREAD_ENV] = SPREAD = known.spread  # before lm.parse_args, whose check_spec reads it
     args = lm.parse_args(rest)
-    if known.freeze_variance_after and args.config.optimizer != "adamw":
-        raise SystemExit("--freeze-variance-after applies to AdamW, not to --optimizer sgd")
+    if (known.freeze_variance_after or LOCAL_VARIANCE) and args.config.optimizer != "adamw":
+        raise SystemExit("--freeze-variance-after and --local-variance apply to AdamW, not to --optimizer sgd")
     os.environ[FREEZE_ENV] = str(known.freeze_variance_after)
     FREEZE_AFTER = known.freeze_variance_after
     if "--out" not in rest and not any(a.startswith("--out=") for a in rest):
@@ -448,6 +553,8 @@ def main() -> None:
     variants = {"freeze_variance_after": FREEZE_AFTER, "spread": SPREAD, "plain_steps": max(FREEZE_AFTER, PLAIN_STEPS)}
     if START_CODEC:  # absent otherwise, as in the reports from before it
         variants["start_codec"] = START_CODEC
+    if LOCAL_VARIANCE:
+        variants["local_variance_block"] = LOCAL_VARIANCE
     path = os.path.join(args.out, "lm" + ("_quick" if args.quick else "") + ".json")
     if not args.replot and not args.fresh and os.path.exists(path):  # lm.main merges into it: the same variant only
         with open(path) as f:

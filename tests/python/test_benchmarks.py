@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 SCRIPT = BENCHMARKS / "kernels.py"
@@ -358,7 +359,7 @@ def test_lm_variants_frozen_variance_adamw_is_adamw_until_it_freezes():
     torch.manual_seed(0)
     start = torch.randn(4, 3)
     ours, theirs = start.clone().requires_grad_(), start.clone().requires_grad_()
-    frozen = variants.FrozenVarianceAdamW([ours], lr=0.1, betas=(0.9, 0.95), weight_decay=0.1, freeze_after=3)
+    frozen = variants.VariantAdamW([ours], lr=0.1, betas=(0.9, 0.95), weight_decay=0.1, freeze_after=3)
     adamw = torch.optim.AdamW([theirs], lr=0.1, betas=(0.9, 0.95), weight_decay=0.1)
     for step in range(6):
         grad = torch.randn(4, 3)
@@ -370,3 +371,57 @@ def test_lm_variants_frozen_variance_adamw_is_adamw_until_it_freezes():
             variance = frozen.state[ours]["v"].clone()
     assert not torch.allclose(ours, theirs, atol=1e-4)
     assert torch.equal(frozen.state[ours]["v"], variance)  # the second moment of step 3, kept
+
+
+def test_lm_variants_local_variance_adamw_is_adamw_on_one_rank_and_averages_blocks(tmp_path):
+    variants = load_benchmark("lm_variants.py")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        start = torch.randn(4, 3)
+        ours, theirs = start.clone().requires_grad_(), start.clone().requires_grad_()
+        squares = variants.LocalSquares()
+        local = variants.VariantAdamW([ours], lr=0.1, betas=(0.9, 0.95), weight_decay=0.1, squares=squares)
+        adamw = torch.optim.AdamW([theirs], lr=0.1, betas=(0.9, 0.95), weight_decay=0.1)
+        for _ in range(5):  # one rank: its own gradient is the averaged one, so this is AdamW
+            grad = torch.randn(4, 3)
+            ours.grad, theirs.grad = grad.clone(), grad.clone()
+            squares.local[ours] = grad.square()  # what local_squares_hook takes from the bucket
+            local.step()
+            adamw.step()
+            assert torch.allclose(ours, theirs, atol=1e-6)
+        assert squares.local == {} and squares.wire_bytes == 0  # taken each step; one rank sends nothing
+
+        # blocks of 5 over the 12 elements: [0, 5), [5, 10), [10, 12); clipped to norm 1 on both moments
+        blocked = torch.zeros(4, 3, requires_grad=True)
+        grad = torch.arange(12.0).view(4, 3)
+        blocked.grad = grad.clone()
+        squares.local[blocked] = grad.square()
+        optimizer = variants.VariantAdamW([blocked], lr=0.1, betas=(0.9, 0.95), squares=squares, block=5,
+                                          clip_norm=1.0)
+        optimizer.step()
+        flat_squares = grad.flatten().square()
+        means = [flat_squares[:5].mean(), flat_squares[5:10].mean(), flat_squares[10:].mean()]
+        expected_v = torch.tensor([means[0]] * 5 + [means[1]] * 5 + [means[2]] * 2).view(4, 3)
+        scale = 1.0 / float(grad.norm())  # the block means times their counts sum to the squares' sum
+        state = optimizer.state[blocked]
+        assert torch.allclose(state["v"], 0.05 * scale ** 2 * expected_v)
+        assert torch.allclose(state["m"], 0.1 * scale * grad)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_lm_variants_local_variance_counts_its_statistic_and_trains(tmp_path):
+    script = BENCHMARKS / "lm_variants.py"
+    run_script(script, "--quick", "--local-variance", "1", "--codecs", "none", "topk:ratio=0.01",
+               "--out", tmp_path / "element")
+    report = json.loads((tmp_path / "element" / "lm_quick.json").read_text())
+    assert report["variants"]["local_variance_block"] == 1
+    rows = {row["spec"]: row for row in report["summary"]}
+    # per element, the statistic is as large as the gradient: plain allreduce's bytes twice
+    assert math.isclose(rows["none"]["ratio"], 0.5, rel_tol=1e-9)
+    assert all(math.isfinite(row["ppl_mean"]) and row["ppl_mean"] < 512 for row in rows.values())  # vocab 512
+    with pytest.raises(AssertionError, match="--local-variance applies to gradcomp's codecs"):
+        run_script(script, "--quick", "--local-variance", "4", "--codecs", "blocksign", "--out", tmp_path / "bad")
+    with pytest.raises(AssertionError, match="--local-variance takes a block size >= 1"):
+        run_script(script, "--quick", "--local-variance", "-1", "--out", tmp_path / "bad")
