@@ -209,9 +209,12 @@ def make_optimizer(model: nn.Module, config: Config) -> torch.optim.Optimizer:
                               {"params": others, "weight_decay": 0.0}], lr=config.peak_lr, betas=(0.9, 0.95))
 
 
+CLIP_IN_OPTIMIZER = False  # lm_variants.py's optimizers that clip by a norm of their own set it
+
+
 def clip_gradients(model: nn.Module, config: Config) -> torch.Tensor:
-    """Clips the averaged gradient to config.clip_norm; returns its norm before."""
-    return nn.utils.clip_grad_norm_(model.parameters(), config.clip_norm)
+    """Clips the averaged gradient to config.clip_norm (unless the optimizer clips); returns its norm before."""
+    return nn.utils.clip_grad_norm_(model.parameters(), float("inf") if CLIP_IN_OPTIMIZER else config.clip_norm)
 
 
 def training_batch(train: torch.Tensor, config: Config, seed: int, step: int, rank: int) -> torch.Tensor:

@@ -36,7 +36,8 @@ scaledtopk:ratio=R[,by=element|tensor|none][,warmup=N][,keep=K]: topk with error
     averaged over the ranks (one mean per block of B elements of a parameter, B=1 per element; an allreduce per
     step, its bytes counted), instead of the codec's averaged gradient squared (class VariantAdamW). The
     step is then linear in what the codec delivers, and error feedback's bursts arrive at full size instead of
-    being divided by themselves. The clipping uses the same squares' norm.
+    being divided by themselves. The clipping uses the same squares' norm. This changes uncompressed training
+    too (the ranks' own squares hold more noise than their average's): compare with lm.py's `none` as well.
 --freeze-variance-after N: 1-bit Adam's recipe. N steps of plain allreduce (the hook's start_iter), then AdamW's
     second moment stops changing, so that its step becomes linear in the gradient; every codec applies.
 
@@ -69,8 +70,8 @@ SPREAD_ENV = "GRADCOMP_LM_SPREAD"
 SPREAD = os.environ.get(SPREAD_ENV, "")
 START_CODEC_ENV = "GRADCOMP_LM_START_CODEC"
 START_CODEC = os.environ.get(START_CODEC_ENV, "")
-LOCAL_VARIANCE_ENV = "GRADCOMP_LM_LOCAL_VARIANCE"
-LOCAL_VARIANCE = int(os.environ.get(LOCAL_VARIANCE_ENV, "0"))  # VariantAdamW's block; 0: torch's AdamW
+LOCAL_SQUARES_ENV = "GRADCOMP_LM_LOCAL_SQUARES_BLOCK"
+LOCAL_SQUARES_BLOCK = int(os.environ.get(LOCAL_SQUARES_ENV, "0"))  # --local-variance's block; 0: off
 
 
 class Spread:
@@ -351,7 +352,7 @@ def parse_scaled_top_k(spec: str) -> tuple[float, str, int, float]:
 
 def register_codec(ddp, spec: str, scheme: str):
     plain_steps = max(FREEZE_AFTER, PLAIN_STEPS)
-    if LOCAL_VARIANCE:
+    if LOCAL_SQUARES_BLOCK:
         squares = RUN_SQUARES[0]
         squares.state = gradcomp.CompressionState(spec, scheme=scheme, start_iter=plain_steps,
                                                   start_codec=START_CODEC or None, model=ddp.module)
@@ -376,7 +377,7 @@ def register_codec(ddp, spec: str, scheme: str):
 
 
 def check_spec(spec: str) -> None:
-    for option, given in (("--spread", SPREAD), ("--start-codec", START_CODEC), ("--local-variance", LOCAL_VARIANCE)):
+    for option, given in (("--spread", SPREAD), ("--start-codec", START_CODEC), ("--local-variance", LOCAL_SQUARES_BLOCK)):
         if spec.startswith(("blocksign", "scaledtopk")) and given:
             raise ValueError(f"{option} applies to gradcomp's codecs, not to blocksign or scaledtopk")
     if spec.startswith("blocksign"):
@@ -388,11 +389,12 @@ def check_spec(spec: str) -> None:
 
 
 class LocalSquares:
-    """Each rank's own gradient squared, per parameter, taken in the hook before the codec sees it; what
-    LocalVarianceAdamW's second moment is made of. Wraps gradcomp's hook and state."""
+    """Each rank's own gradient squared, per parameter, as the means of its blocks of `block` elements, taken in
+    the hook before the codec sees the gradient; what VariantAdamW's second moment is made of. Wraps gradcomp's
+    hook and state."""
 
-    def __init__(self):
-        self.state = None
+    def __init__(self, block: int):
+        self.state, self.block = None, block
         self.local: dict[torch.Tensor, torch.Tensor] = {}
         self.wire_bytes = 0  # the statistic's allreduce, per rank
 
@@ -408,7 +410,7 @@ class LocalSquares:
 
 def local_squares_hook(squares: LocalSquares, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     for parameter, grad in zip(bucket.parameters(), bucket.gradients()):
-        squares.local[parameter] = grad.detach().square()
+        squares.local[parameter] = block_means(grad.detach().square(), squares.block)
     return gradcomp.hook(squares.state, bucket)
 
 
@@ -428,21 +430,24 @@ class VariantAdamW(torch.optim.Optimizer):
     squares (LocalSquares): the second moment is made of every rank's own gradient squared, averaged over the
         ranks (one allreduce per step, counted in the run's bytes), not of the codec's averaged gradient: the
         same on every rank, and blind to how the codec delivers the gradient (error feedback's bursts). Per
-        element (block=1) or one mean per block of `block` elements of each parameter. The clipping is done
-        here, by the norm those squares give (the norm of the ranks' own gradients), on both moments alike;
-        lm.py's clipping then only measures the norm."""
+        element (block=1) or one mean per block of the squares' block of elements of each parameter. The
+        clipping is done here, by the norm those squares give (the root mean square of the ranks' own gradient
+        norms), on both moments alike; lm.py's clipping then only measures the norm. From 2 ranks on this is not
+        AdamW even without compression: the ranks' own squares hold more noise than the average's square, and
+        their norm is larger, so compare with lm.py's `none` as well as with this variant's."""
 
     def __init__(self, params, lr: float, betas: tuple[float, float], weight_decay: float = 0.0,
-                 eps: float = 1e-8, freeze_after: int = 0, squares: LocalSquares | None = None, block: int = 1,
+                 eps: float = 1e-8, freeze_after: int = 0, squares: LocalSquares | None = None,
                  clip_norm: float = 0.0):
         super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay, eps=eps))
-        self.freeze_after, self.squares, self.block, self.clip_norm = freeze_after, squares, block, clip_norm
+        self.freeze_after, self.squares, self.clip_norm = freeze_after, squares, clip_norm
 
     @torch.no_grad()
     def shared_squares(self, params: list[torch.Tensor]) -> tuple[list[torch.Tensor], float]:
         """Per parameter, the ranks' mean of their own gradient squared (per block, expanded back to the
         parameter's shape), and the clipping factor for the norm it gives."""
-        reduced = [block_means(self.squares.local.pop(p), self.block) for p in params]
+        block = self.squares.block
+        reduced = [self.squares.local.pop(p) for p in params]
         flat = torch.cat(reduced)
         world = dist.get_world_size()
         dist.all_reduce(flat)
@@ -452,7 +457,8 @@ class VariantAdamW(torch.optim.Optimizer):
         for p, mine in zip(params, reduced):
             means = flat[offset:offset + mine.numel()]
             offset += mine.numel()
-            expanded = means.repeat_interleave(self.block)[:p.numel()].view_as(p)
+            assert means.numel() == -(-p.numel() // block), "a parameter's squares are not its own"
+            expanded = means.repeat_interleave(block)[:p.numel()].view_as(p)
             norm_square += float(expanded.sum())
             shared.append(expanded)
         scale = min(1.0, self.clip_norm / (norm_square ** 0.5 + 1e-6)) if self.clip_norm else 1.0
@@ -485,38 +491,33 @@ class VariantAdamW(torch.optim.Optimizer):
                 p.addcdiv_(m_hat, v_hat.sqrt_().add_(group["eps"]), value=-group["lr"])
 
 
-RUN_SQUARES: list[LocalSquares] = []  # the running optimizer's, for register_codec (one run at a time per rank)
+# The running optimizer's squares, for register_codec: lm.train_one makes the optimizer first (one run at a time).
+RUN_SQUARES: list[LocalSquares] = []
 
 
 def make_optimizer(model, config: lm.Config) -> torch.optim.Optimizer:
-    if not FREEZE_AFTER and not LOCAL_VARIANCE:
+    if not FREEZE_AFTER and not LOCAL_SQUARES_BLOCK:
         return ADAMW_OR_SGD(model, config)
     squares = None
-    if LOCAL_VARIANCE:
-        squares = LocalSquares()
+    if LOCAL_SQUARES_BLOCK:
+        squares = LocalSquares(LOCAL_SQUARES_BLOCK)
         RUN_SQUARES[:] = [squares]
     decayed = [p for p in model.parameters() if p.dim() >= 2]
     others = [p for p in model.parameters() if p.dim() < 2]
     return VariantAdamW([{"params": decayed, "weight_decay": config.weight_decay},
                          {"params": others, "weight_decay": 0.0}],
                         lr=config.peak_lr, betas=(0.9, 0.95), freeze_after=FREEZE_AFTER, squares=squares,
-                        block=LOCAL_VARIANCE, clip_norm=config.clip_norm)
-
-
-def measure_only(model, config: lm.Config) -> torch.Tensor:
-    """The averaged gradient's norm, unclipped: VariantAdamW clips by its local squares' norm."""
-    return torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
+                        clip_norm=config.clip_norm)
 
 
 ADAMW_OR_SGD = lm.make_optimizer
 # lm.train_one and lm.parse_args look these up in lm's globals when they run, in every rank.
 lm.register_codec, lm.check_spec, lm.make_optimizer = register_codec, check_spec, make_optimizer
-if LOCAL_VARIANCE:
-    lm.clip_gradients = measure_only
+lm.CLIP_IN_OPTIMIZER = bool(LOCAL_SQUARES_BLOCK)
 
 
 def main() -> None:
-    global FREEZE_AFTER, SPREAD, PLAIN_STEPS, START_CODEC, LOCAL_VARIANCE
+    global FREEZE_AFTER, SPREAD, PLAIN_STEPS, START_CODEC, LOCAL_SQUARES_BLOCK
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--plain-steps", type=int, default=PLAIN_STEPS)
     parser.add_argument("--freeze-variance-after", type=int, default=0)
@@ -527,10 +528,9 @@ def main() -> None:
     if known.local_variance < 0 or (known.local_variance and (known.spread or known.freeze_variance_after)):
         raise SystemExit(f"--local-variance takes a block size >= 1 (0: off), got {known.local_variance}, and "
                          "goes with neither --spread nor --freeze-variance-after")
-    os.environ[LOCAL_VARIANCE_ENV] = str(known.local_variance)
-    LOCAL_VARIANCE = known.local_variance
-    if LOCAL_VARIANCE:
-        lm.clip_gradients = measure_only
+    os.environ[LOCAL_SQUARES_ENV] = str(known.local_variance)
+    LOCAL_SQUARES_BLOCK = known.local_variance
+    lm.CLIP_IN_OPTIMIZER = bool(LOCAL_SQUARES_BLOCK)
     if known.start_codec:
         if known.spread or known.freeze_variance_after:
             raise SystemExit("--start-codec goes with neither --spread nor --freeze-variance-after")
@@ -544,7 +544,7 @@ def main() -> None:
     PLAIN_STEPS = known.plain_steps
     os.environ[SPREAD_ENV] = SPREAD = known.spread  # before lm.parse_args, whose check_spec reads it
     args = lm.parse_args(rest)
-    if (known.freeze_variance_after or LOCAL_VARIANCE) and args.config.optimizer != "adamw":
+    if (known.freeze_variance_after or LOCAL_SQUARES_BLOCK) and args.config.optimizer != "adamw":
         raise SystemExit("--freeze-variance-after and --local-variance apply to AdamW, not to --optimizer sgd")
     os.environ[FREEZE_ENV] = str(known.freeze_variance_after)
     FREEZE_AFTER = known.freeze_variance_after
@@ -553,8 +553,8 @@ def main() -> None:
     variants = {"freeze_variance_after": FREEZE_AFTER, "spread": SPREAD, "plain_steps": max(FREEZE_AFTER, PLAIN_STEPS)}
     if START_CODEC:  # absent otherwise, as in the reports from before it
         variants["start_codec"] = START_CODEC
-    if LOCAL_VARIANCE:
-        variants["local_variance_block"] = LOCAL_VARIANCE
+    if LOCAL_SQUARES_BLOCK:
+        variants["local_variance_block"] = LOCAL_SQUARES_BLOCK
     path = os.path.join(args.out, "lm" + ("_quick" if args.quick else "") + ".json")
     if not args.replot and not args.fresh and os.path.exists(path):  # lm.main merges into it: the same variant only
         with open(path) as f:

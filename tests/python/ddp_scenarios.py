@@ -374,3 +374,50 @@ def state_checks(rank, world):
     out["reloaded"] = fresh.state_dict()
     out["saved"] = saved
     return out
+
+
+def local_squares(rank, world, variants_path):
+    """benchmarks/lm_variants.py's AdamW whose second moment is the ranks' own gradients squared, in blocks of 4:
+    3 steps of a linear layer under DDP and topk. Returns what the optimizer holds, and the same computed here
+    from each rank's gradient taken without DDP and gathered."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location("lm_variants_benchmark", variants_path)
+    variants = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = variants
+    spec.loader.exec_module(variants)
+    variants.LOCAL_SQUARES_BLOCK = 4
+    torch.manual_seed(0)
+    model = nn.Linear(6, 5)
+    config = variants.lm.Config(clip_norm=0.5)
+    optimizer = variants.make_optimizer(model, config)
+    ddp = DDP(model)
+    squares = variants.register_codec(ddp, "topk:ratio=0.5", "auto")
+    beta1, beta2 = 0.9, 0.95
+    expected_m = [torch.zeros_like(p) for p in model.parameters()]
+    expected_v = [torch.zeros_like(p) for p in model.parameters()]
+    scales = []
+    for step in range(3):
+        x = torch.randn(8, 6, generator=torch.Generator().manual_seed(10 * step + rank))
+        own = torch.autograd.grad(model(x).square().mean(), list(model.parameters()))  # no DDP: this rank's own
+        ddp(x).square().mean().backward()
+        gathered = [[torch.empty_like(g) for _ in range(world)] for g in own]
+        for g, into in zip(own, gathered):
+            dist.all_gather(into, g)
+        block_squares = []
+        for into in gathered:
+            mean_square = (sum(g.square() for g in into) / world).flatten()
+            means = [mean_square[i:i + 4].mean() for i in range(0, mean_square.numel(), 4)]
+            block_squares.append(torch.stack([means[i // 4] for i in range(mean_square.numel())]).view_as(into[0]))
+        norm = float(sum(b.sum() for b in block_squares)) ** 0.5
+        scale = min(1.0, 0.5 / (norm + 1e-6))
+        scales.append(scale)
+        for p, m, v, b in zip(model.parameters(), expected_m, expected_v, block_squares):
+            m.mul_(beta1).add_(p.grad, alpha=(1 - beta1) * scale)  # p.grad: what the codec delivered
+            v.mul_(beta2).add_(b, alpha=(1 - beta2) * scale ** 2)
+        optimizer.step()
+        optimizer.zero_grad()
+    held = [optimizer.state[p] for p in model.parameters()]
+    return {"m": [s["m"] for s in held], "v": [s["v"] for s in held], "expected_m": expected_m,
+            "expected_v": expected_v, "scales": scales, "wire_bytes": squares.wire_bytes}

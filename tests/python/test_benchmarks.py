@@ -12,6 +12,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import ddp_scenarios
+from ddp_harness import run_ranks, unwrap
+
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 SCRIPT = BENCHMARKS / "kernels.py"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -380,13 +383,13 @@ def test_lm_variants_local_variance_adamw_is_adamw_on_one_rank_and_averages_bloc
         torch.manual_seed(0)
         start = torch.randn(4, 3)
         ours, theirs = start.clone().requires_grad_(), start.clone().requires_grad_()
-        squares = variants.LocalSquares()
+        squares = variants.LocalSquares(block=1)
         local = variants.VariantAdamW([ours], lr=0.1, betas=(0.9, 0.95), weight_decay=0.1, squares=squares)
         adamw = torch.optim.AdamW([theirs], lr=0.1, betas=(0.9, 0.95), weight_decay=0.1)
         for _ in range(5):  # one rank: its own gradient is the averaged one, so this is AdamW
             grad = torch.randn(4, 3)
             ours.grad, theirs.grad = grad.clone(), grad.clone()
-            squares.local[ours] = grad.square()  # what local_squares_hook takes from the bucket
+            squares.local[ours] = grad.square().flatten()  # what local_squares_hook keeps for blocks of 1
             local.step()
             adamw.step()
             assert torch.allclose(ours, theirs, atol=1e-6)
@@ -396,9 +399,9 @@ def test_lm_variants_local_variance_adamw_is_adamw_on_one_rank_and_averages_bloc
         blocked = torch.zeros(4, 3, requires_grad=True)
         grad = torch.arange(12.0).view(4, 3)
         blocked.grad = grad.clone()
-        squares.local[blocked] = grad.square()
-        optimizer = variants.VariantAdamW([blocked], lr=0.1, betas=(0.9, 0.95), squares=squares, block=5,
-                                          clip_norm=1.0)
+        squares = variants.LocalSquares(block=5)
+        squares.local[blocked] = variants.block_means(grad.square(), 5)
+        optimizer = variants.VariantAdamW([blocked], lr=0.1, betas=(0.9, 0.95), squares=squares, clip_norm=1.0)
         optimizer.step()
         flat_squares = grad.flatten().square()
         means = [flat_squares[:5].mean(), flat_squares[5:10].mean(), flat_squares[10:].mean()]
@@ -409,6 +412,28 @@ def test_lm_variants_local_variance_adamw_is_adamw_on_one_rank_and_averages_bloc
         assert torch.allclose(state["m"], 0.1 * scale * grad)
     finally:
         dist.destroy_process_group()
+
+
+def test_lm_variants_local_variance_averages_the_ranks_own_squares_through_ddp():
+    results = unwrap(run_ranks(ddp_scenarios.local_squares, world=2, args=(str(BENCHMARKS / "lm_variants.py"),)))
+    for rank in results:
+        # blocks of 4: a weight of 30 elements in 8 blocks, a bias of 5 in 2; 3 steps of 10 fp32 means each
+        assert rank["wire_bytes"] == 3 * 40
+        for name in ("v", "m"):
+            for held, expected in zip(rank[name], rank["expected_" + name]):
+                assert torch.allclose(held, expected, rtol=1e-5, atol=1e-9)
+        assert any(scale < 1.0 for scale in rank["scales"])  # the clipping was tried, not only bypassed
+    for held, other in zip(results[0]["v"], results[1]["v"]):
+        assert torch.equal(held, other)  # the same second moment on every rank
+
+
+def test_lm_variants_local_variance_reaches_spawned_ranks_by_the_environment(monkeypatch):
+    monkeypatch.setenv("GRADCOMP_LM_LOCAL_SQUARES_BLOCK", "4")
+    variants = load_benchmark("lm_variants.py")  # what a rank started by mp.spawn does
+    assert variants.LOCAL_SQUARES_BLOCK == 4 and variants.lm.CLIP_IN_OPTIMIZER
+    monkeypatch.delenv("GRADCOMP_LM_LOCAL_SQUARES_BLOCK")
+    variants = load_benchmark("lm_variants.py")
+    assert variants.LOCAL_SQUARES_BLOCK == 0 and not variants.lm.CLIP_IN_OPTIMIZER  # lm.py clips again
 
 
 def test_lm_variants_local_variance_counts_its_statistic_and_trains(tmp_path):
