@@ -377,7 +377,8 @@ def register_codec(ddp, spec: str, scheme: str):
 
 
 def check_spec(spec: str) -> None:
-    for option, given in (("--spread", SPREAD), ("--start-codec", START_CODEC), ("--local-variance", LOCAL_SQUARES_BLOCK)):
+    options = (("--spread", SPREAD), ("--start-codec", START_CODEC), ("--local-variance", LOCAL_SQUARES_BLOCK))
+    for option, given in options:
         if spec.startswith(("blocksign", "scaledtopk")) and given:
             raise ValueError(f"{option} applies to gradcomp's codecs, not to blocksign or scaledtopk")
     if spec.startswith("blocksign"):
