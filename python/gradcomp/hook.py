@@ -561,8 +561,8 @@ class CompressionState:
                 logger.warning("gradcomp: bucket %d was laid out anew; the residual of the chunk this rank owned in "
                                "the two-phase scheme (one step's re-compression error) starts again from zero", old)
         numel = sum(torch.Size(s).numel() for s in shapes)
-        plan = self._make_plan(plan_class(self.codec, self.scheme, numel, buffer.dtype, step.world), index, keys,
-                               shapes, buffer.dtype, buffer.device, step.world, step.rank)
+        plan_type = plan_class(self.codec, self.scheme, numel, buffer.dtype, step.world)
+        plan = plan_type(self.codec, index, keys, shapes, buffer.dtype, buffer.device, world=step.world, rank=step.rank)
         plan.take(self._pool)
         self._plans[index] = plan
         return plan
@@ -573,15 +573,10 @@ class CompressionState:
         for old in _overlapping(self._start_plans, index, keys):
             del self._start_plans[old]
         plan_type = plan_class(self.start_codec, self.scheme, buffer.numel(), buffer.dtype, step.world)
-        plan = self._make_plan(plan_type, index, keys, shapes, buffer.dtype, buffer.device, step.world, step.rank,
-                               self.start_codec)
+        plan = plan_type(self.start_codec, index, keys, shapes, buffer.dtype, buffer.device, world=step.world,
+                         rank=step.rank)
         self._start_plans[index] = plan
         return plan
-
-    def _make_plan(self, plan_type: type, index: int, keys, shapes, dtype: torch.dtype, device, world, rank,
-                   codec=None):
-        return plan_type(codec if codec is not None else self.codec, index, keys, shapes, dtype, device, world=world,
-                         rank=rank)
 
     def _end_step(self) -> None:
         self.iter += 1
@@ -669,7 +664,7 @@ class CompressionState:
         plans = {}
         world, saved_rank = saved_config.get("world_size") or 1, state.get("rank") or 0
         for saved in state["buckets"]:
-            plan = self._plan_from_layout(saved, world, saved_rank)
+            plan = self._plan_from_layout(saved, world, saved_rank, self.codec)
             plan.load_tensors(saved["tensors"])
             plans[saved["index"]] = plan
         start_plans = {}
@@ -713,15 +708,16 @@ class CompressionState:
         """The scheme of a state saved before states named their schemes: the codec's one, else allgather."""
         return fixed_scheme(self.codec) or AllgatherBucket.scheme
 
-    def _plan_from_layout(self, saved: dict, world: int, rank: int, codec=None):
-        """A plan on the CPU for a saved bucket's layout (state_dict's "buckets" and "start_buckets" entries), under
-        codec (by default the run's); its tensors are the caller's to load."""
+    def _plan_from_layout(self, saved: dict, world: int, rank: int, codec):
+        """A plan on the CPU under codec (the run's or the start codec) for a saved bucket's layout (state_dict's
+        "buckets" and "start_buckets" entries); its tensors are the caller's to load."""
         plan_type = self._saved_plan_type(saved.get("scheme", self._scheme_before_schemes()), codec)
-        return self._make_plan(plan_type, saved["index"], saved["keys"], saved["shapes"], _saved_dtype(saved["dtype"]),
-                               "cpu", world, rank, codec)
+        return plan_type(codec, saved["index"], saved["keys"], saved["shapes"], _saved_dtype(saved["dtype"]), "cpu",
+                         world=world, rank=rank)
 
-    def _saved_plan_type(self, scheme, codec=None) -> type:
-        codec = codec if codec is not None else self.codec
+    @staticmethod
+    def _saved_plan_type(scheme, codec) -> type:
+        """The plan class of a saved bucket's scheme, refused where codec does not travel by it."""
         fixed = fixed_scheme(codec)
         allowed = [fixed] if fixed else [plan.scheme for plan in GATHERED]
         if scheme not in allowed:
