@@ -352,14 +352,15 @@ def parse_scaled_top_k(spec: str) -> tuple[float, str, int, float]:
 
 def register_codec(ddp, spec: str, scheme: str):
     plain_steps = max(FREEZE_AFTER, PLAIN_STEPS)
+    # gradcomp.register's options, also for the states of the hooks that wrap gradcomp's
+    options = dict(scheme=scheme, start_iter=plain_steps, start_codec=START_CODEC or None)
     if LOCAL_SQUARES_BLOCK:
         squares = RUN_SQUARES[0]
-        squares.state = gradcomp.CompressionState(spec, scheme=scheme, start_iter=plain_steps,
-                                                  start_codec=START_CODEC or None, model=ddp.module)
+        squares.state = gradcomp.CompressionState(spec, model=ddp.module, **options)
         ddp.register_comm_hook(squares, local_squares_hook)
         return squares
     if SPREAD:
-        state = gradcomp.CompressionState(spec, scheme=scheme, start_iter=plain_steps, model=ddp.module)
+        state = gradcomp.CompressionState(spec, model=ddp.module, **options)
         ddp.register_comm_hook(Spread(state, SPREAD), spread_hook)
         return state
     if spec.startswith("scaledtopk"):
@@ -368,7 +369,7 @@ def register_codec(ddp, spec: str, scheme: str):
         ddp.register_comm_hook(state, scaled_top_k_hook)
         return state
     if not spec.startswith("blocksign"):
-        return gradcomp.register(ddp, spec, scheme=scheme, start_iter=plain_steps, start_codec=START_CODEC or None)
+        return gradcomp.register(ddp, spec, **options)
     block, error_feedback, fraction, hold, momentum = parse_block_sign(spec)
     state = BlockSignState(spec, block, error_feedback, fraction, hold, momentum, dist.get_world_size(),
                            plain_steps)
