@@ -16,6 +16,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradcomp
+from benchmark_modules import load_benchmark
 
 FEATURES, CLASSES, BATCH = 24, 5, 32
 BUCKET_CAP_MB = 0.004  # a few KB: several buckets, and DDP lays them out anew after step 0
@@ -376,17 +377,11 @@ def state_checks(rank, world):
     return out
 
 
-def local_squares(rank, world, variants_path):
+def local_squares(rank, world):
     """benchmarks/lm_variants.py's AdamW whose second moment is the ranks' own gradients squared, in blocks of 4:
     3 steps of a linear layer under DDP and topk. Returns what the optimizer holds, and the same computed here
     from each rank's gradient taken without DDP and gathered."""
-    import importlib.util
-    import sys
-
-    spec = importlib.util.spec_from_file_location("lm_variants_benchmark", variants_path)
-    variants = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = variants
-    spec.loader.exec_module(variants)
+    variants = load_benchmark("lm_variants.py")
     variants.LOCAL_SQUARES_BLOCK = 4
     torch.manual_seed(0)
     model = nn.Linear(6, 5)

@@ -1,21 +1,19 @@
 """Smoke tests: each benchmark runs in its quick or tiny mode and writes what it promises."""
 
-import importlib.util
 import json
 import math
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import ddp_scenarios
+from benchmark_modules import BENCHMARKS, load_benchmark
 from ddp_harness import run_ranks, unwrap
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 SCRIPT = BENCHMARKS / "kernels.py"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -36,15 +34,6 @@ def test_kernel_benchmark_quick_mode(tmp_path):
     assert (tmp_path / "smoke.csv").read_text().count("\n") == 4  # header + 3 rows
     assert (tmp_path / "smoke.png").stat().st_size > 1000
     assert "signsgd" in result.stdout
-
-
-def load_benchmark(script):
-    """A benchmark script as a module, its main() not run."""
-    spec = importlib.util.spec_from_file_location(script.removesuffix(".py") + "_benchmark", BENCHMARKS / script)
-    benchmark = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = benchmark  # where a dataclass looks its module up while the module runs
-    spec.loader.exec_module(benchmark)
-    return benchmark
 
 
 def run_script(*args, timeout=900):
@@ -415,7 +404,7 @@ def test_lm_variants_local_variance_adamw_is_adamw_on_one_rank_and_averages_bloc
 
 
 def test_lm_variants_local_variance_averages_the_ranks_own_squares_through_ddp():
-    results = unwrap(run_ranks(ddp_scenarios.local_squares, world=2, args=(str(BENCHMARKS / "lm_variants.py"),)))
+    results = unwrap(run_ranks(ddp_scenarios.local_squares, world=2))
     for rank in results:
         # blocks of 4: a weight of 30 elements in 8 blocks, a bias of 5 in 2; 3 steps of 10 fp32 means each
         assert rank["wire_bytes"] == 3 * 40
