@@ -60,6 +60,11 @@ std::string describe_decode_problems(uint32_t problems);
 // 2^-16 of its original norm (it depended on the earlier columns), becomes zero.
 void orthogonalize_cpu(float* matrix, int64_t rows, int64_t cols, float eps);
 
+// out (rows x cols) = P (rows x rank) times Q (cols x rank) transposed, all row-major fp32: each
+// element summed over the rank in order, so the bits are the same whatever the threads.
+void low_rank_product_cpu(const float* p, const float* q, float* out, int64_t rows, int64_t cols, int64_t rank,
+                          ParallelFor parallel_for);
+
 // Per-codec entry points, one file each, compiled once per instruction-set variant into its own
 // namespace; encode_cpu / decode_sum_cpu pick the variant the running CPU supports.
 #define GRADCOMP_DECLARE_CODECS(ns)                                                 \

@@ -379,6 +379,35 @@ void orthogonalize_(at::Tensor& matrix, double eps) {
   for (int64_t b = 0; b < batch; ++b) orthogonalize_cpu(data + b * rows * cols, rows, cols, static_cast<float>(eps));
 }
 
+// out = P Q^T over the last two dimensions ([rows, rank] and [cols, rank], or batches of them): PowerSGD's
+// decode. On the CPU, the same bits whatever torch's thread count (see low_rank_product.cpp); on CUDA, cuBLAS's
+// product, whose bits are fixed for a GPU model.
+void low_rank_product(const at::Tensor& p, const at::Tensor& q, at::Tensor& out) {
+  for (const auto& [tensor, name] : {std::pair{&p, "p"}, {&q, "q"}, {&out, "out"}}) {
+    TORCH_CHECK_VALUE(tensor->scalar_type() == at::kFloat, "gradcomp: low_rank_product takes float32, got ",
+                      tensor->scalar_type(), " for ", name);
+    TORCH_CHECK_VALUE(tensor->dim() == p.dim() && (p.dim() == 2 || p.dim() == 3),
+                      "gradcomp: low_rank_product takes matrices or batches of them, alike; got ", p.dim(), ", ",
+                      q.dim(), " and ", out.dim(), " dimensions");
+    TORCH_CHECK_VALUE(tensor->is_contiguous(), "gradcomp: low_rank_product needs contiguous tensors, not ", name);
+    TORCH_CHECK_VALUE(tensor->device() == out.device(), "gradcomp: low_rank_product's ", name, " is on ",
+                      tensor->device(), ", out on ", out.device());
+  }
+  const int64_t rows = p.size(-2), rank = p.size(-1), cols = q.size(-2);
+  const int64_t batch = p.dim() == 3 ? p.size(0) : 1;
+  TORCH_CHECK_VALUE(q.size(-1) == rank && out.size(-2) == rows && out.size(-1) == cols &&
+                        (p.dim() == 2 || (q.size(0) == batch && out.size(0) == batch)),
+                    "gradcomp: low_rank_product of p ", p.sizes(), " and q ", q.sizes(), " cannot fill out ",
+                    out.sizes(), " (out = p q^T)");
+  if (out.is_cuda()) {
+    at::matmul_out(out, p, q.transpose(-2, -1));
+    return;
+  }
+  for (int64_t b = 0; b < batch; ++b)
+    low_rank_product_cpu(p.data_ptr<float>() + b * rows * rank, q.data_ptr<float>() + b * cols * rank,
+                         out.data_ptr<float>() + b * rows * cols, rows, cols, rank, torch_parallel_for);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(gradcomp, m) {
@@ -387,6 +416,7 @@ TORCH_LIBRARY(gradcomp, m) {
   m.def("decode_sum(Tensor payloads, Tensor(a!) out, float alpha=1.0, bool vote=False, str? codec=None, "
         "int param0=0, int param1=0, Tensor(b!)? status=None) -> ()");
   m.def("orthogonalize_(Tensor(a!) matrix, float eps=0.0) -> ()");
+  m.def("low_rank_product(Tensor p, Tensor q, Tensor(a!) out) -> ()");
   m.def("encode_chunks(Tensor grad, Tensor(a!)? residual, str codec, int[] param0s, int param1=0, int seed=0, "
         "int step=0, int bucket=0, int first_rank=0) -> Tensor");
   m.def("reencode_sum(Tensor payloads, Tensor(a!) average, Tensor(b!)? residual, float alpha, bool vote, str codec, "
@@ -400,6 +430,7 @@ TORCH_LIBRARY_IMPL(gradcomp, CPU, m) {
   m.impl("encode", &encode);
   m.impl("decode_sum", &decode_sum);
   m.impl("orthogonalize_", &orthogonalize_);
+  m.impl("low_rank_product", &low_rank_product);
   m.impl("encode_chunks", &encode_chunks);
   m.impl("reencode_sum", &reencode_sum);
   m.impl("decode_chunks", &decode_chunks);
@@ -411,6 +442,7 @@ TORCH_LIBRARY_IMPL(gradcomp, CUDA, m) {
   m.impl("encode", &encode);
   m.impl("decode_sum", &decode_sum);
   m.impl("orthogonalize_", &orthogonalize_);
+  m.impl("low_rank_product", &low_rank_product);
   m.impl("encode_chunks", &encode_chunks);
   m.impl("reencode_sum", &reencode_sum);
   m.impl("decode_chunks", &decode_chunks);

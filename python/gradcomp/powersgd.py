@@ -10,8 +10,11 @@ Dividing by the world size W before each sum, as plain DDP does, keeps the sums 
 A column of Q that is zero or not finite is drawn anew before it is used (redraw_dead_columns).
 What travels per matrix: P (rows x r) and Q (cols x r) in fp32. Tensors that are 1-D, or whose
 compression rate rows*cols / ((rows + cols) * r) is below min_compression_rate, travel whole.
-The matrix products go through ATen (BLAS / cuBLAS); with batch_same_shape, the matrices of one
-bucket that share a shape go through one batched product and one batched orthogonalization.
+M Q and M^T P go through ATen (BLAS / cuBLAS). P Q^T, which every rank computes from the same sums,
+goes through torch.ops.gradcomp.low_rank_product, whose CPU bits do not depend on the thread count
+(a BLAS product's do, and the ranks would apply different averages). With batch_same_shape, the
+matrices of one bucket that share a shape go through one batched product and one batched
+orthogonalization.
 """
 
 from __future__ import annotations
@@ -113,7 +116,8 @@ class PowerSGD(Codec):
     def decompress(self, p: torch.Tensor, q: torch.Tensor, m: torch.Tensor, out: torch.Tensor,
                    residual: torch.Tensor | None, alpha: float = 1.0) -> torch.Tensor:
         """out = alpha * P Q^T (after Q's allreduce); the residual becomes M - out."""
-        approx = torch.mm(p, q.t())
+        approx = torch.empty(p.shape[0], q.shape[0], device=q.device)
+        torch.ops.gradcomp.low_rank_product(p, q, approx)  # the same bits on every rank, whatever its threads
         if alpha != 1.0:
             approx.mul_(alpha)
         out.copy_(approx.view(out.shape))

@@ -535,4 +535,20 @@ TEST(Orthogonalize, NumericallyDependentColumnBecomesZeroWithoutEps) {
   for (int64_t r = 0; r < rows; ++r) EXPECT_EQ(m[r * cols + 2], 0.0f) << r;
 }
 
+TEST(LowRankProduct, IsPTimesQTransposed) {
+  const int64_t rows = 7, cols = 5, rank = 3;
+  const auto p = gaussian(rows * rank, 21), q = gaussian(cols * rank, 22);
+  std::vector<float> out(rows * cols, -1.0f);
+  low_rank_product_cpu(p.data(), q.data(), out.data(), rows, cols, rank, nullptr);
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t j = 0; j < cols; ++j) {
+      double expected = 0;
+      for (int64_t k = 0; k < rank; ++k) expected += double(p[i * rank + k]) * q[j * rank + k];
+      EXPECT_NEAR(out[i * cols + j], expected, 1e-5) << i << "," << j;
+    }
+  std::vector<float> empty_rank(rows * cols, -1.0f);  // rank 0: a product of nothing is 0
+  low_rank_product_cpu(p.data(), q.data(), empty_rank.data(), rows, cols, 0, nullptr);
+  for (float v : empty_rank) EXPECT_EQ(v, 0.0f);
+}
+
 }  // namespace

@@ -89,4 +89,18 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{Codec::RandomK, 10000, 0}),
     [](const auto& info) { return std::string(kCodecNames[static_cast<int>(info.param.codec)]) + "_" + std::to_string(info.index); });
 
+// PowerSGD's decode: P Q^T on rows split across threads gives one thread's bits (the ranks of a run
+// must apply the same average whatever their thread counts).
+TEST(LowRankProduct, SameBitsAsOneThread) {
+  const int64_t rows = 1001, cols = 517, rank = 5;  // many tasks of rows, none aligned
+  std::mt19937 rng(3);
+  std::normal_distribution<float> normal;
+  std::vector<float> p(rows * rank), q(cols * rank), serial(rows * cols), threaded(rows * cols);
+  for (auto& v : p) v = normal(rng);
+  for (auto& v : q) v = normal(rng);
+  low_rank_product_cpu(p.data(), q.data(), serial.data(), rows, cols, rank, nullptr);
+  low_rank_product_cpu(p.data(), q.data(), threaded.data(), rows, cols, rank, threaded_for);
+  EXPECT_EQ(0, std::memcmp(serial.data(), threaded.data(), serial.size() * sizeof(float)));
+}
+
 }  // namespace

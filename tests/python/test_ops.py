@@ -54,6 +54,12 @@ def test_orthogonalize(shape):
     opcheck(torch.ops.gradcomp.orthogonalize_.default, (torch.randn(shape), 0.0))
 
 
+@pytest.mark.parametrize("batch", [(), (3,)])
+def test_low_rank_product(batch):
+    opcheck(torch.ops.gradcomp.low_rank_product.default,
+            (torch.randn(*batch, 40, 4), torch.randn(*batch, 30, 4), torch.empty(*batch, 40, 30)))
+
+
 @pytest.mark.parametrize("codec, param0, param1", [("signsgd", 0, 64), ("qsgd", 15, 64), ("topk", 9, 0)])
 def test_two_phase_ops(codec, param0, param1):
     grad, residual = torch.randn(300), torch.randn(300)

@@ -98,6 +98,34 @@ def test_half_precision_gradients():
         codec.roundtrip(grad, torch.zeros(600, dtype=torch.float16), codec.initial_q(grad.shape))
 
 
+def test_low_rank_product_is_p_q_transposed_with_the_same_bits_whatever_the_threads():
+    """PowerSGD's decode: every rank computes P Q^T from the same sums and must apply the same bits, also when
+    its thread count differs (a BLAS product's bits follow its threads, which MKL lowers on a busy machine)."""
+    p, q = torch.randn(3, 700, 4), torch.randn(3, 500, 4)  # enough rows for several tasks
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            out = torch.empty(3, 700, 500)
+            torch.ops.gradcomp.low_rank_product(p, q, out)
+            outs.append(out)
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(outs[0], other) for other in outs[1:])
+    expected = torch.einsum("brk,bck->brc", p.double(), q.double()).float()
+    torch.testing.assert_close(outs[0], expected, rtol=1e-5, atol=1e-5)
+    matrix = torch.empty(700, 500)
+    torch.ops.gradcomp.low_rank_product(p[1], q[1], matrix)
+    assert torch.equal(matrix, outs[0][1])
+    for args, message in (((p.double(), q.double(), out.double()), "takes float32"),
+                          ((p, q[:, :, :3].contiguous(), out), r"cannot fill out"),
+                          ((p[0], q, out), "matrices or batches of them, alike"),
+                          ((p.transpose(1, 2), q, out), "needs contiguous tensors, not p")):
+        with pytest.raises(ValueError, match=message):
+            torch.ops.gradcomp.low_rank_product(*args)
+
+
 def test_orthogonalize_matches_reference_and_zeroes_dependent_columns():
     p = torch.randn(100, 5)
     expected = reference_gram_schmidt(p)

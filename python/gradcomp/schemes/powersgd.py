@@ -158,7 +158,8 @@ class PowerSGDBucket:
             if result.done():  # this rank failed earlier in the step
                 return
             for g, (rows, cols, _, members) in enumerate(self.groups):
-                approx = torch.matmul(self._p(p, g), self._q(g, q_new).transpose(1, 2))
+                approx = torch.empty(len(members), rows, cols, device=q_new.device)
+                torch.ops.gradcomp.low_rank_product(self._p(p, g), self._q(g, q_new), approx)  # same bits on every rank
                 block = self._m(m, g)
                 for j, position in enumerate(members):
                     views[position].copy_(approx[j].view(views[position].shape))
