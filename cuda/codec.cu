@@ -44,17 +44,6 @@ __global__ void check_headers(const uint8_t* payloads, int64_t count, int64_t st
   }
 }
 
-// validate_topk_indices on the device, one thread per index of every payload.
-__global__ void check_topk_indices(const uint8_t* payloads, int64_t count, int64_t stride, int64_t codes, int64_t k,
-                                   int64_t n, uint32_t* status) {
-  GC_GRID_LOOP(j, count * k) {
-    const int32_t* indices = reinterpret_cast<const int32_t*>(payloads + (j / k) * stride + codes);
-    const int64_t at = j % k;
-    const int32_t index = indices[at];
-    if (index < 0 || index >= n || (at > 0 && index <= indices[at - 1])) atomicOr(status, kIndexInvalid);
-  }
-}
-
 // After a failed check of this call's payloads, the whole output becomes NaN.
 template <typename T>
 __global__ void poison_if_invalid(const uint32_t* problems, T* out, int64_t n) {
@@ -101,9 +90,7 @@ cudaError_t decode_sum(const DecodeParams& params, cudaStream_t stream) {
   d.workspace = static_cast<uint8_t*>(params.workspace) + kProblemWordBytes;
   cudaMemsetAsync(problems, 0, sizeof(uint32_t), stream);
   check_headers<<<blocks_for(d.count), kThreads, 0, stream>>>(d.payloads, d.count, stride, h, problems);
-  if (static_cast<Codec>(h.codec) == Codec::TopK && h.param0 > 0)
-    check_topk_indices<<<blocks_for(d.count * h.param0), kThreads, 0, stream>>>(
-        d.payloads, d.count, stride, body_layout(h).codes, h.param0, h.numel, problems);
+  if (static_cast<Codec>(h.codec) == Codec::TopK) check_topk(d, problems, stream);
   kDecode[h.codec](d, stream);
   if (h.numel > 0) {
     visit_dtype(static_cast<DType>(h.dtype), [&](auto* t) {

@@ -199,6 +199,9 @@ void encode_qsgd(const EncodeParams&, cudaStream_t);
 void decode_qsgd(const DecodeParams&, cudaStream_t);
 cudaError_t encode_topk(const EncodeParams&, cudaStream_t);
 void decode_topk(const DecodeParams&, cudaStream_t);
+// The device-side check of topk payloads' indices (and, compact, their expansion into the decode
+// workspace that decode_topk then reads): kIndexInvalid into problems.
+void check_topk(const DecodeParams&, uint32_t* problems, cudaStream_t);
 void encode_randomk(const EncodeParams&, cudaStream_t);
 void decode_randomk(const DecodeParams&, cudaStream_t);
 

@@ -8,7 +8,7 @@
 //        7     1  reserved, 0
 //        8     8  element count n (int64)
 //       16     8  param0: k for topk/randomk, levels s for qsgd, else 0
-//       24     8  param1: block for qsgd and signsgd, else 0
+//       24     8  param1: block for qsgd and signsgd, the index layout for topk, else 0
 //       32     8  seed (uint64)
 //       40     4  step (uint32)
 //       44     4  bucket (uint32)
@@ -17,6 +17,8 @@
 // Every rank of a step writes the same header, so a decoder can refuse payloads that disagree.
 // The rank is not in the header: it only keys the stochastic rounding of each rank's own body.
 #pragma once
+
+#include <type_traits>
 
 #include "half.h"
 #include "hd.h"
@@ -32,6 +34,15 @@ constexpr int64_t kMaxIndexedNumel = 0x7FFFFFFF;  // topk / randomk indices are 
 constexpr int64_t kMaxStochasticNumel = int64_t{1} << 34;  // Philox group counter is 32-bit
 constexpr int64_t kMaxNumel = int64_t{1} << 40;              // keeps every size computation far from overflow
 constexpr int64_t kMaxBlock = kMaxNumel;
+
+// topk's param1: its body's layout.
+//   wide (0):    k int32 indices, then k values in the gradient's dtype (8 bytes a value for fp32).
+//   compact (1): one uint32 count per span of 65536 elements (how many indices fall in it), then each
+//                index's low 16 bits, then the values as 16-bit floats: bf16 for an fp32 gradient
+//                (its range, so no finite value becomes Inf), the gradient's own dtype otherwise.
+//                4 bytes a value plus 4 per 65536 elements: half of wide's for fp32.
+constexpr int64_t kTopkWide = 0, kTopkCompact = 1;
+constexpr int64_t kCompactSpan = int64_t{1} << 16;
 
 enum class Codec : uint8_t { None = 0, Fp16 = 1, Bf16 = 2, SignSGD = 3, TernGrad = 4, QSGD = 5, TopK = 6, RandomK = 7 };
 constexpr int kNumCodecs = 8;
@@ -67,8 +78,9 @@ GC_HD int qsgd_code_bits(int64_t levels) {
 
 // Byte offsets of a codec's fields from the start of the payload.
 struct BodyLayout {
-  int64_t scales = kHeaderBytes;  // terngrad: one fp32 scale; signsgd: one per block; qsgd: one fp32 norm per block
-  int64_t codes = kHeaderBytes;   // sign bits, ternary codes, qsgd codes, or topk int32 indices
+  int64_t scales = kHeaderBytes;  // terngrad: one fp32 scale; signsgd: one per block; qsgd: one fp32 norm per
+                                  // block; compact topk: its uint32 counts per span
+  int64_t codes = kHeaderBytes;   // sign bits, ternary codes, qsgd codes, or topk indices (int32, or uint16 compact)
   int64_t values = kHeaderBytes;  // dense values (none/fp16/bf16/randomk) or topk values
   int64_t end = kHeaderBytes;     // end of the body, before padding
   int64_t total = kHeaderBytes;   // payload bytes including padding
@@ -89,11 +101,37 @@ GC_HD BodyLayout body_layout(const PayloadHeader& h) {
       l.codes = b + 4 * ceil_div(n, h.param1);
       l.end = l.codes + ceil_div(n * qsgd_code_bits(h.param0), 8);
       break;
-    case Codec::TopK: l.values = b + 4 * h.param0; l.end = l.values + h.param0 * value_bytes; break;
+    case Codec::TopK:
+      if (h.param1 == kTopkCompact) {
+        l.codes = b + 4 * ceil_div(n, kCompactSpan);
+        l.values = l.codes + 2 * h.param0;
+        l.end = l.values + 2 * h.param0;
+      } else {
+        l.values = b + 4 * h.param0;
+        l.end = l.values + h.param0 * value_bytes;
+      }
+      break;
     case Codec::RandomK: l.end = b + h.param0 * value_bytes; break;
   }
   l.total = ceil_div(l.end, kPayloadAlign) * kPayloadAlign;
   return l;
+}
+
+// The dtype of topk's values on the wire: compact sends an fp32 gradient's values as bf16.
+GC_HD DType topk_value_dtype(const PayloadHeader& h) {
+  const auto dtype = static_cast<DType>(h.dtype);
+  return h.param1 == kTopkCompact && dtype == DType::F32 ? DType::BF16 : dtype;
+}
+
+// What a sent element of M loses on the wire when its value goes as `sent`, which error feedback
+// keeps in its residual: m - sent, exact in fp32 for a 16-bit rounding of m; 0 where m is not finite.
+GC_HD float sent_loss(float m, float sent) { return is_finite(m) ? m - sent : 0.0f; }
+
+// A topk value of M, of the gradient's type T, as the wire's type V (topk_value_dtype).
+template <typename V, typename T>
+GC_HD V topk_wire_value(T m) {
+  if constexpr (std::is_same_v<T, V>) return m;
+  else return from_float_saturating<V>(to_float(m));
 }
 
 // What a device-side check of payloads can find; CUDA decodes OR these bits into a status word,
@@ -101,7 +139,8 @@ GC_HD BodyLayout body_layout(const PayloadHeader& h) {
 enum DecodeProblem : uint32_t {
   kHeaderNotExpected = 1,  // not a gradcomp payload, or another codec, dtype, size or parameters
   kHeadersDiffer = 2,      // a payload's random key (seed, step, bucket) differs from payload 0's
-  kIndexInvalid = 4,       // a topk index out of range or not strictly ascending
+  kIndexInvalid = 4,       // a topk index out of range or not strictly ascending, or compact counts that do not
+                           // add up to k
 };
 
 // Calls f with a null pointer of the C++ element type for a wire dtype (host side; CPU and CUDA
@@ -147,7 +186,10 @@ inline const char* header_problem(const PayloadHeader& h) {
     return "unexpected parameter for this codec";
   }
   if (codec == Codec::SignSGD && (h.param1 < 1 || h.param1 > kMaxBlock)) return "signsgd block outside [1, 2^40]";
-  if (codec != Codec::QSGD && codec != Codec::SignSGD && h.param1 != 0) return "unexpected parameter for this codec";
+  if (codec == Codec::TopK && h.param1 != kTopkWide && h.param1 != kTopkCompact)
+    return "topk index layout is neither 0 (wide) nor 1 (compact)";
+  if (codec != Codec::QSGD && codec != Codec::SignSGD && codec != Codec::TopK && h.param1 != 0)
+    return "unexpected parameter for this codec";
   if ((codec == Codec::TernGrad || codec == Codec::QSGD) && h.numel > kMaxStochasticNumel)
     return "element count above 2^34 for a stochastic codec";
   if (h.numel > kMaxNumel) return "element count above 2^40";

@@ -1,4 +1,5 @@
 // Codec dispatch and payload validation for the CPU path.
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 
@@ -87,20 +88,58 @@ void encode_cpu(const EncodeArgs& args) {
   codec_table().encode[args.header.codec](args);
 }
 
-std::string validate_topk_indices(const uint8_t* payload, const PayloadHeader& h) {
+namespace {
+
+std::string index_problem(int64_t index, int64_t j, int64_t previous, int64_t n) {
+  if (index < 0 || index >= n)
+    return "index " + std::to_string(index) + " at position " + std::to_string(j) + " is outside [0, " +
+           std::to_string(n) + ")";
+  if (index <= previous)
+    return "index " + std::to_string(index) + " at position " + std::to_string(j) + " does not follow " +
+           std::to_string(previous) + " (indices must be strictly ascending)";
+  return "";
+}
+
+}  // namespace
+
+std::string read_topk_indices(const uint8_t* payload, const PayloadHeader& h, std::vector<int32_t>& indices) {
   const BodyLayout layout = body_layout(h);
+  const int64_t k = h.param0;
+  indices.clear();
+  indices.reserve(k);
   int64_t previous = -1;  // indices must be strictly ascending: in range and each at most once
-  for (int64_t j = 0; j < h.param0; ++j) {
-    int32_t index;
-    std::memcpy(&index, payload + layout.codes + 4 * j, sizeof index);
-    if (index < 0 || index >= h.numel)
-      return "index " + std::to_string(index) + " at position " + std::to_string(j) + " is outside [0, " +
-             std::to_string(h.numel) + ")";
-    if (index <= previous)
-      return "index " + std::to_string(index) + " at position " + std::to_string(j) +
-             " does not follow " + std::to_string(previous) + " (indices must be strictly ascending)";
-    previous = index;
+  if (h.param1 != kTopkCompact) {
+    for (int64_t j = 0; j < k; ++j) {
+      int32_t index;
+      std::memcpy(&index, payload + layout.codes + 4 * j, sizeof index);
+      std::string problem = index_problem(index, j, previous, h.numel);
+      if (!problem.empty()) return problem;
+      indices.push_back(index);
+      previous = index;
+    }
+    return "";
   }
+  const int64_t spans = ceil_div(h.numel, kCompactSpan);
+  for (int64_t span = 0; span < spans; ++span) {
+    uint32_t count;
+    std::memcpy(&count, payload + layout.scales + 4 * span, sizeof count);
+    const int64_t j0 = static_cast<int64_t>(indices.size());
+    if (count > static_cast<uint64_t>(k - j0))
+      return "the counts per span of " + std::to_string(kCompactSpan) + " elements reach past k = " +
+             std::to_string(k) + " at span " + std::to_string(span);
+    for (int64_t j = j0; j < j0 + count; ++j) {
+      uint16_t low;
+      std::memcpy(&low, payload + layout.codes + 2 * j, sizeof low);
+      const int64_t index = span * kCompactSpan + low;
+      std::string problem = index_problem(index, j, std::max(previous, span * kCompactSpan - 1), h.numel);
+      if (!problem.empty()) return problem;
+      indices.push_back(static_cast<int32_t>(index));
+      previous = index;
+    }
+  }
+  if (static_cast<int64_t>(indices.size()) != k)
+    return "the counts per span of " + std::to_string(kCompactSpan) + " elements add up to " +
+           std::to_string(indices.size()) + ", not k = " + std::to_string(k);
   return "";
 }
 
@@ -128,8 +167,9 @@ std::string validate_payloads(const uint8_t* payloads, int64_t count, int64_t st
              " has a header that differs from payload 0 (another codec, size, step or bucket)";
   }
   if (static_cast<Codec>(first.codec) == Codec::TopK) {
+    std::vector<int32_t> indices;
     for (int64_t p = 0; p < count; ++p) {
-      std::string problem = validate_topk_indices(payloads + p * stride, first);
+      std::string problem = read_topk_indices(payloads + p * stride, first, indices);
       if (!problem.empty()) return "payload " + std::to_string(p) + ": " + problem;
     }
   }
@@ -144,7 +184,8 @@ std::string describe_decode_problems(uint32_t problems) {
   add(kHeaderNotExpected, "a payload header is not the expected one (not a gradcomp payload, or another codec, "
                           "dtype, element count or parameters)");
   add(kHeadersDiffer, "the payloads carry different random keys (seed, step or bucket)");
-  add(kIndexInvalid, "a topk index is out of range or not strictly ascending");
+  add(kIndexInvalid, "a topk index is out of range or not strictly ascending, or compact counts do not add up "
+                     "to k");
   if (problems & ~uint32_t{kHeaderNotExpected | kHeadersDiffer | kIndexInvalid}) add(problems, "unknown problem bits");
   return text.empty() ? "no problem" : text;
 }

@@ -1,9 +1,12 @@
 // topk: the k elements of largest magnitude of M = gradient + residual (computed in fp32, then
 // rounded to the gradient's dtype). Magnitude order is that of magnitude_key: NaN above Inf above
 // every finite value, -0 equal to +0; among equal magnitudes the lower index wins.
-// Body: k int32 indices in ascending order, then their k values of M in the gradient's dtype.
-// Error feedback leaves M in the residual with the sent elements zeroed. M saturates: the fp32
-// sum with add_saturating and its rounding with from_float_saturating (hd.h, half.h).
+// Body (wire.h): k indices in ascending order, then their k values of M. Wide: int32 indices and
+// the gradient's dtype. Compact: per span of 65536 elements a uint32 count, each index's low 16
+// bits, and the values as bf16 for an fp32 gradient (from_float_saturating), else in its dtype.
+// Error feedback leaves M in the residual with each sent element replaced by what its value lost
+// on the wire: 0, or M - bf16(M) for compact fp32 (exact in fp32; 0 where M is not finite). M
+// saturates: the fp32 sum with add_saturating and its rounding with from_float_saturating.
 // decode_sum: out = 0 + alpha * value for one payload; for several, fp32 sums from +0 adding
 // alpha * value per payload in order with add_saturating; stored with from_float_saturating.
 //
@@ -106,13 +109,43 @@ void gather(ParallelFor parallel_for, const T* grad, T* residual, int64_t n, uin
   }
 }
 
-template <typename T>
+// Where encode writes the k selected elements, in ascending index order (wire.h's two layouts).
+template <typename V>
+struct BodyWriter {
+  int32_t* wide_indices = nullptr;
+  uint32_t* span_counts = nullptr;  // compact: zeroed here, counted as the indices are written
+  uint16_t* low_bits = nullptr;
+  V* values = nullptr;
+
+  BodyWriter(uint8_t* payload, const PayloadHeader& h) {
+    const BodyLayout layout = body_layout(h);
+    values = field<V>(payload, layout.values);
+    if (h.param1 != kTopkCompact) {
+      wide_indices = field<int32_t>(payload, layout.codes);
+      return;
+    }
+    span_counts = field<uint32_t>(payload, layout.scales);
+    low_bits = field<uint16_t>(payload, layout.codes);
+    std::fill(span_counts, span_counts + ceil_div(h.numel, kCompactSpan), 0u);
+  }
+
+  void put(int64_t j, int64_t index, V value) {
+    values[j] = value;
+    if (wide_indices) {
+      wide_indices[j] = static_cast<int32_t>(index);
+      return;
+    }
+    ++span_counts[index / kCompactSpan];
+    low_bits[j] = static_cast<uint16_t>(index % kCompactSpan);
+  }
+};
+
+// T the gradient's dtype, V its values' on the wire (topk_value_dtype).
+template <typename T, typename V>
 void encode_typed(const EncodeArgs& a) {
   const int64_t n = a.header.numel, k = a.header.param0;
   if (n == 0) return;
-  const BodyLayout layout = body_layout(a.header);
-  int32_t* indices = field<int32_t>(a.payload, layout.codes);
-  T* values = field<T>(a.payload, layout.values);
+  BodyWriter<V> body(a.payload, a.header);
   const T* grad = static_cast<const T*>(a.grad);
   T* residual = static_cast<T*>(a.residual);
   const T* m = residual ? residual : grad;  // M, once the pass below has run
@@ -137,24 +170,24 @@ void encode_typed(const EncodeArgs& a) {
     const uint32_t key = candidates.key[c];
     if (key > threshold || (key == threshold && ties_left-- > 0)) {
       const int32_t i = candidates.index[c];
-      indices[emitted] = i;
-      values[emitted] = m[i];
-      if (residual) residual[i] = from_float<T>(0.0f);
-      ++emitted;
+      const V value = topk_wire_value<V>(m[i]);
+      body.put(emitted++, i, value);
+      if (residual) residual[i] = from_float<T>(sent_loss(to_float(m[i]), to_float(value)));
     }
   }
 }
 
-template <typename T>
+template <typename T, typename V>
 void decode_typed(const DecodeArgs& a, const PayloadHeader& h) {
-  const int64_t n = h.numel, k = h.param0;
-  const BodyLayout layout = body_layout(h);
+  const int64_t n = h.numel;
+  const int64_t values_at = body_layout(h).values;
   T* out = static_cast<T*>(a.out);
   std::fill(out, out + n, from_float<T>(0.0f));
+  std::vector<int32_t> indices;  // validated already; the bound checks keep any race in bounds
   if (a.count == 1) {  // each index written once: 0 + alpha * v
-    const int32_t* indices = field<int32_t>(a.payloads, layout.codes);
-    const T* values = field<T>(a.payloads, layout.values);
-    for (int64_t j = 0; j < k; ++j)  // validated already; the bound check keeps any race in bounds
+    read_topk_indices(a.payloads, h, indices);
+    const V* values = field<V>(a.payloads, values_at);
+    for (size_t j = 0; j < indices.size(); ++j)
       if (static_cast<uint32_t>(indices[j]) < static_cast<uint64_t>(n))
         out[indices[j]] = from_float_saturating<T>(0.0f + a.alpha * to_float(values[j]));
     return;
@@ -166,25 +199,38 @@ void decode_typed(const DecodeArgs& a, const PayloadHeader& h) {
     sums = scratch.data();
   }
   for (int64_t p = 0; p < a.count; ++p) {
-    const int32_t* indices = field<int32_t>(a.payloads + p * a.stride, layout.codes);
-    const T* values = field<T>(a.payloads + p * a.stride, layout.values);
-    for (int64_t j = 0; j < k; ++j)
+    read_topk_indices(a.payloads + p * a.stride, h, indices);
+    const V* values = field<V>(a.payloads + p * a.stride, values_at);
+    for (size_t j = 0; j < indices.size(); ++j)
       if (static_cast<uint32_t>(indices[j]) < static_cast<uint64_t>(n)) sums[indices[j]] = add_saturating(sums[indices[j]], a.alpha * to_float(values[j]));
   }
   if constexpr (!std::is_same_v<T, float>)  // fp32 sums are already in out
     for (int64_t i = 0; i < n; ++i) out[i] = from_float_saturating<T>(sums[i]);
 }
 
+// Calls f with null pointers of the gradient's type and of its values' type on the wire.
+template <typename F>
+void visit_topk_types(const PayloadHeader& h, F&& f) {
+  visit_dtype(static_cast<DType>(h.dtype), [&](auto* t) {
+    if constexpr (std::is_same_v<std::remove_pointer_t<decltype(t)>, float>) {
+      if (topk_value_dtype(h) == DType::BF16) return f(t, static_cast<bf16*>(nullptr));
+    }
+    f(t, t);
+  });
+}
+
 }  // namespace
 
 void encode_topk(const EncodeArgs& a) {
-  visit_dtype(static_cast<DType>(a.header.dtype),
-              [&](auto* t) { encode_typed<std::remove_pointer_t<decltype(t)>>(a); });
+  visit_topk_types(a.header, [&](auto* t, auto* v) {
+    encode_typed<std::remove_pointer_t<decltype(t)>, std::remove_pointer_t<decltype(v)>>(a);
+  });
 }
 
 void decode_topk(const DecodeArgs& a, const PayloadHeader& h) {
-  visit_dtype(static_cast<DType>(h.dtype),
-              [&](auto* t) { decode_typed<std::remove_pointer_t<decltype(t)>>(a, h); });
+  visit_topk_types(h, [&](auto* t, auto* v) {
+    decode_typed<std::remove_pointer_t<decltype(t)>, std::remove_pointer_t<decltype(v)>>(a, h);
+  });
 }
 
 }  // namespace gradcomp::GC_CODECS_NS

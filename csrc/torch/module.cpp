@@ -33,6 +33,9 @@ PYBIND11_MODULE(_C, m) {
   m.attr("format_version") = kFormatVersion;
   m.attr("max_levels") = kMaxLevels;
   m.attr("max_block") = kMaxBlock;
+  m.attr("topk_wide") = kTopkWide;  // topk's param1: its two body layouts (wire.h)
+  m.attr("topk_compact") = kTopkCompact;
+  m.attr("topk_compact_span") = kCompactSpan;
 #ifdef GRADCOMP_CUDA_KERNELS  // defined once the CUDA codecs are compiled in
   m.attr("cuda_built") = true;
 #else

@@ -336,20 +336,30 @@ class QSGD(PayloadCodec):
         return _float_fields(payloads, HEADER_BYTES, -(-numel // self.block), torch.float32)  # the block norms
 
 
-@_register("topk", {"ratio": 0.01, "error_feedback": True},
-           "k = ceil(ratio*n) largest |g|: k int32 indices + k values; allgather")
+@_register("topk", {"ratio": 0.01, "error_feedback": True, "compact": False},
+           "k = ceil(ratio*n) largest |g|: k int32 indices + k values, or compact: 16-bit indices within spans "
+           "of 65536 + 16-bit values (bf16 for fp32), half the bytes; allgather")
 class TopK(PayloadCodec):
-    def __init__(self, ratio: float = 0.01, error_feedback: bool = True):
+    compact = False  # a topk pickled before the compact option sends the wide layout, as it did
+
+    def __init__(self, ratio: float = 0.01, error_feedback: bool = True, compact: bool = False):
         _check_range("topk", "ratio", ratio, 0, 1, low_open=True)
-        super().__init__(error_feedback, ratio=float(ratio))
-        self.ratio = float(ratio)
+        if not isinstance(compact, bool):
+            raise ValueError(f"topk: compact must be True or False, got {compact!r}")
+        # compact named only when on: the spec (and the configuration checkpoints hold) of a wide topk is as it was
+        super().__init__(error_feedback, ratio=float(ratio), **({"compact": True} if compact else {}))
+        self.ratio, self.compact = float(ratio), compact
 
     def wire_params(self, numel):
-        return count_for_ratio(self.ratio, numel), 0
+        return count_for_ratio(self.ratio, numel), _ops._C.topk_compact if self.compact else _ops._C.topk_wide
 
     def magnitude_fields(self, payloads, numel, dtype):
         k = count_for_ratio(self.ratio, numel)  # NaN and Inf rank above every finite |m|: they are sent
-        return _float_fields(payloads, HEADER_BYTES + 4 * k, k, dtype)  # the values, after k int32 indices
+        if not self.compact:
+            return _float_fields(payloads, HEADER_BYTES + 4 * k, k, dtype)  # the values, after k int32 indices
+        spans = -(-numel // _ops._C.topk_compact_span)  # after the counts and k 16-bit indices
+        value_dtype = torch.bfloat16 if dtype == torch.float32 else dtype
+        return _float_fields(payloads, HEADER_BYTES + 4 * spans + 2 * k, k, value_dtype)
 
 
 @_register("randomk", {"ratio": 0.01, "seed": 0, "error_feedback": True},

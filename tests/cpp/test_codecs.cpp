@@ -151,7 +151,8 @@ INSTANTIATE_TEST_SUITE_P(Codecs, EveryCodec,
                                            CodecCase{Codec::SignSGD, 0, kMaxBlock},  // one block, larger than n
                                            CodecCase{Codec::TernGrad, 0, 0}, CodecCase{Codec::QSGD, 15, 100},
                                            CodecCase{Codec::QSGD, 1, 7}, CodecCase{Codec::QSGD, 32767, 4096},
-                                           CodecCase{Codec::TopK, 17, 0}, CodecCase{Codec::RandomK, 17, 0}),
+                                           CodecCase{Codec::TopK, 17, 0}, CodecCase{Codec::TopK, 17, kTopkCompact},
+                                           CodecCase{Codec::RandomK, 17, 0}),
                          [](const auto& info) {
                            return std::string(kCodecNames[static_cast<int>(info.param.codec)]) + "_" +
                                   std::to_string(info.index);
@@ -222,6 +223,97 @@ TEST(TopK, RefusesOutOfRangeIndices) {
     indices[2] = saved;
   }
   EXPECT_EQ(validate_payloads(payload.data(), 1, payload.size(), n, DType::F32), "");
+}
+
+// A compact payload read by hand: the counts per span, each index's low 16 bits, bf16 values.
+struct CompactBody {
+  std::vector<int64_t> indices;
+  std::vector<float> values;
+};
+
+CompactBody read_compact(const std::vector<uint8_t>& payload, int64_t n, int64_t k) {
+  const int64_t spans = (n + 65535) / 65536;
+  const uint8_t* counts = payload.data() + kHeaderBytes;
+  const uint8_t* lows = counts + 4 * spans;
+  const uint8_t* values = lows + 2 * k;
+  CompactBody body;
+  int64_t j = 0;
+  for (int64_t span = 0; span < spans; ++span) {
+    uint32_t count;
+    std::memcpy(&count, counts + 4 * span, 4);
+    for (uint32_t c = 0; c < count; ++c, ++j) {
+      uint16_t low, value;
+      std::memcpy(&low, lows + 2 * j, 2);
+      std::memcpy(&value, values + 2 * j, 2);
+      body.indices.push_back(span * 65536 + low);
+      const uint32_t bits = static_cast<uint32_t>(value) << 16;
+      float f;
+      std::memcpy(&f, &bits, 4);
+      body.values.push_back(f);
+    }
+  }
+  return body;
+}
+
+TEST(TopK, CompactSendsTheSameElementsAsBf16InHalfTheBytes) {
+  // Four spans of 65536 and a partial one; the third span holds nothing large, so its count is 0.
+  const int64_t n = 4 * 65536 + 999, k = 3000;
+  auto grad = gaussian(n, 31);
+  for (int64_t i = 2 * 65536; i < 3 * 65536; ++i) grad[i] *= 1e-3f;
+  auto old_residual = gaussian(n, 32);
+  for (auto& r : old_residual) r *= 0.1f;
+  auto wide_residual = old_residual, compact_residual = old_residual;
+  const auto wide = encode({Codec::TopK, k, kTopkWide}, grad, &wide_residual);
+  const auto compact = encode({Codec::TopK, k, kTopkCompact}, grad, &compact_residual);
+  const int64_t end = kHeaderBytes + 4 * 5 + 4 * k;
+  EXPECT_EQ(static_cast<int64_t>(compact.size()), (end + 15) / 16 * 16);
+  EXPECT_EQ(static_cast<int64_t>(wide.size()), kHeaderBytes + 8 * k);
+
+  const CompactBody body = read_compact(compact, n, k);
+  ASSERT_EQ(static_cast<int64_t>(body.indices.size()), k);
+  const int32_t* wide_indices = reinterpret_cast<const int32_t*>(wide.data() + kHeaderBytes);
+  const float* wide_values = reinterpret_cast<const float*>(wide.data() + kHeaderBytes + 4 * k);
+  const auto decoded = decode(compact, 1, n);
+  for (int64_t j = 0; j < k; ++j) {
+    const int64_t i = wide_indices[j];
+    ASSERT_EQ(body.indices[j], i) << "position " << j;
+    ASSERT_NE(i / 65536, 2);  // the quiet span sends nothing
+    const float m = grad[i] + old_residual[i];
+    ASSERT_EQ(wide_values[j], m);
+    // bf16 by round to nearest even: within half a unit of its 8-bit mantissa, the loss kept exactly
+    ASSERT_LE(std::fabs(body.values[j] - m), std::ldexp(std::fabs(m), -8)) << "position " << j;
+    ASSERT_EQ(compact_residual[i], m - body.values[j]);
+    ASSERT_EQ(decoded[i], body.values[j]);
+  }
+  for (int64_t i = 0; i < n; ++i) ASSERT_EQ(decoded[i] + compact_residual[i], grad[i] + old_residual[i]) << i;
+}
+
+TEST(TopK, CompactRefusesCountsAndIndicesThatDoNotFit) {
+  const int64_t n = 2 * 65536 + 100, k = 40;
+  auto grad = gaussian(n, 33);
+  grad[n - 1] = 100.0f;  // the last index lies in the last, partial span
+  const auto good = encode({Codec::TopK, k, kTopkCompact}, grad, nullptr);
+  ASSERT_EQ(validate_payloads(good.data(), 1, good.size(), n, DType::F32), "");
+  const auto with_count = [&](int span, uint32_t count) {
+    auto bad = good;
+    std::memcpy(bad.data() + kHeaderBytes + 4 * span, &count, 4);
+    return validate_payloads(bad.data(), 1, bad.size(), n, DType::F32);
+  };
+  uint32_t first;
+  std::memcpy(&first, good.data() + kHeaderBytes, 4);
+  EXPECT_NE(with_count(0, first + 1), "");  // counts add up to more than k
+  EXPECT_NE(with_count(0, first - 1), "");  // to fewer
+  EXPECT_NE(with_count(2, 0xFFFFFFFFu), "");
+  const auto with_low = [&](int64_t j, uint16_t low) {
+    auto bad = good;
+    std::memcpy(bad.data() + kHeaderBytes + 4 * 3 + 2 * j, &low, 2);
+    return validate_payloads(bad.data(), 1, bad.size(), n, DType::F32);
+  };
+  EXPECT_EQ(with_low(k - 1, 99), "");
+  EXPECT_NE(with_low(k - 1, 100), "");  // past n in the last, partial span
+  uint16_t second;
+  std::memcpy(&second, good.data() + kHeaderBytes + 4 * 3 + 2, 2);
+  EXPECT_NE(with_low(0, second), "");  // a repeat: not strictly ascending
 }
 
 TEST(Validate, RefusesPayloadsThatDisagree) {

@@ -277,7 +277,8 @@ TEST(Wire, RefusesBadHeaders) {
   EXPECT_NE(with([](PayloadHeader& h) { h.numel = -1; }), nullptr);
   EXPECT_NE(with([](PayloadHeader& h) { h.param0 = 0; }), nullptr);
   EXPECT_NE(with([](PayloadHeader& h) { h.param0 = 101; }), nullptr);
-  EXPECT_NE(with([](PayloadHeader& h) { h.param1 = 1; }), nullptr);
+  EXPECT_EQ(with([](PayloadHeader& h) { h.param1 = kTopkCompact; }), nullptr);
+  EXPECT_NE(with([](PayloadHeader& h) { h.param1 = 2; }), nullptr);  // neither topk layout
   EXPECT_NE(with([](PayloadHeader& h) { h.codec = static_cast<uint8_t>(Codec::QSGD); h.param0 = 0; }), nullptr);
   EXPECT_NE(with([](PayloadHeader& h) { h.codec = static_cast<uint8_t>(Codec::QSGD); h.param0 = 4; h.param1 = 0; }), nullptr);
   EXPECT_NE(with([](PayloadHeader& h) { h.codec = static_cast<uint8_t>(Codec::QSGD); h.param0 = kMaxLevels + 1; h.param1 = 8; }), nullptr);

@@ -210,7 +210,8 @@ std::vector<Case> every_case() {
                 {Codec::SignSGD, 0, 9000}, {Codec::SignSGD, 0, kMaxBlock},  // the last: one block per bucket
                 {Codec::TernGrad, 0, 0}, {Codec::QSGD, 15, 512},
                 {Codec::QSGD, 3, 5000},  {Codec::QSGD, 1000, 64}, {Codec::TopK, 10, 0},
-                {Codec::TopK, 300, 0},   {Codec::RandomK, 10, 0}};
+                {Codec::TopK, 300, 0},   {Codec::TopK, 10, kTopkCompact}, {Codec::TopK, 300, kTopkCompact},
+                {Codec::RandomK, 10, 0}};
   std::vector<Case> cases;
   for (const auto& codec : codecs)
     for (DType dtype : {DType::F32, DType::F16, DType::BF16})
@@ -219,6 +220,7 @@ std::vector<Case> every_case() {
           if (n > 0 || !residual) cases.push_back({codec.codec, codec.param0, codec.param1, dtype, n, residual});
   // Large enough for many blocks of every kernel and several topk tiles and digit passes.
   cases.push_back({Codec::TopK, 1, 0, DType::F32, 3000017, true});
+  cases.push_back({Codec::TopK, 1, kTopkCompact, DType::F32, 3000017, true});  // 46 spans of 2^16
   cases.push_back({Codec::SignSGD, 0, 256, DType::BF16, 3000017, true});
   cases.push_back({Codec::SignSGD, 0, 100, DType::F32, 3000017, true});
   cases.push_back({Codec::SignSGD, 0, 100003, DType::F16, 3000017, true});  // blocks of many reduce chunks
@@ -369,6 +371,50 @@ TEST_F(CudaChecksPayloads, ExpectedParametersMustMatch) {
   bool all_nan = false;
   EXPECT_EQ(status_after_decode(header, &all_nan), uint32_t{kHeaderNotExpected});
   EXPECT_TRUE(all_nan);
+}
+
+TEST(CudaChecksCompactTopk, CountsAndIndicesThatDoNotFitAreRefused) {
+  REQUIRE_GPU();
+  const int64_t n = 3 * 65536 + 100, k = 60;
+  const PayloadHeader header = make_header(Codec::TopK, DType::F32, n, k, kTopkCompact, RandomKey{5, 1, 0, 0});
+  const Case c{Codec::TopK, 0, kTopkCompact, DType::F32, n, false};
+  const BodyLayout layout = body_layout(header);
+  std::vector<uint8_t> good;
+  for (uint32_t rank = 0; rank < 2; ++rank) {
+    auto grad = values(DType::F32, n, rank);
+    const float big = 1e6f;
+    std::memcpy(&grad[4 * (n - 1)], &big, 4);  // each payload's last index lies in the last, partial span
+    const Encoded e = encode_on_cpu(c, header, rank, grad, {});
+    good.insert(good.end(), e.payload.begin(), e.payload.end());
+  }
+  const auto status_of = [&](const std::vector<uint8_t>& stack) {
+    const auto [out, status] = decode_on_gpu(header, stack, 2, 1.0f, false);
+    bool all_nan = true;
+    for (size_t i = 0; i < out.size(); i += 4) {
+      float v;
+      std::memcpy(&v, &out[i], 4);
+      all_nan = all_nan && std::isnan(v);
+    }
+    EXPECT_EQ(all_nan, status != 0u);
+    return status;
+  };
+  EXPECT_EQ(status_of(good), 0u);
+  const int64_t stride = layout.total;
+  const auto poke = [&](int64_t offset, const void* value, size_t bytes) {
+    auto bad = good;
+    std::memcpy(&bad[stride + offset], value, bytes);
+    return bad;
+  };
+  uint32_t count0;
+  std::memcpy(&count0, &good[stride + layout.scales], 4);
+  for (uint32_t bad_count : {count0 + 1, count0 - 1, 0xFFFFFFFFu})  // the counts no longer add up to k
+    EXPECT_EQ(status_of(poke(layout.scales, &bad_count, 4)), uint32_t{kIndexInvalid}) << bad_count;
+  const uint16_t past_n = 100;  // the last index, in the last span of 100 elements
+  EXPECT_EQ(status_of(poke(layout.codes + 2 * (k - 1), &past_n, 2)), uint32_t{kIndexInvalid});
+  ASSERT_GE(count0, 2u);
+  uint16_t first;  // the second index made equal to the first, in the same span
+  std::memcpy(&first, &good[stride + layout.codes], 2);
+  EXPECT_EQ(status_of(poke(layout.codes + 2, &first, 2)), uint32_t{kIndexInvalid});
 }
 
 TEST(CudaOrthogonalize, MatchesTheCpuToRounding) {

@@ -55,7 +55,12 @@ int main(int argc, char** argv) {
           // signsgd blocks: smaller than n and not a multiple of 8 (a short last block), a multiple of
           // 8, and larger than n.
           const int64_t signsgd_block = numel == 1000 ? 300 : numel == 64 ? 8 : numel == 7 ? 3 : 256;
-          const int64_t param1 = codec == Codec::QSGD ? 16 : codec == Codec::SignSGD ? signsgd_block : 0;
+          // topk: the wide layout for the small sizes, the compact one (counts per span) for the others
+          const int64_t topk_layout = numel >= 64 ? kTopkCompact : kTopkWide;
+          const int64_t param1 = codec == Codec::QSGD      ? 16
+                                 : codec == Codec::SignSGD ? signsgd_block
+                                 : codec == Codec::TopK    ? topk_layout
+                                                           : 0;
           std::vector<uint8_t> input{static_cast<uint8_t>(count - 1)};
           for (int64_t r = 0; r < count; ++r) {
             const auto payload = encode(codec, static_cast<DType>(d), numel, param0, param1, r);

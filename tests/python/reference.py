@@ -43,6 +43,10 @@ FORMAT_VERSION = 1
 HEADER_BYTES = 48
 PAYLOAD_ALIGN = 16
 MAX_LEVELS = 32767
+# topk's param1 for its compact layout: a uint32 count per span of COMPACT_SPAN elements, each index's low
+# 16 bits, then 16-bit values (bf16 for an fp32 gradient)
+TOPK_COMPACT = 1
+COMPACT_SPAN = 1 << 16
 MAX_INDEXED_NUMEL = 0x7FFFFFFF
 MAX_STOCHASTIC_NUMEL = 1 << 34
 SHARED_STREAM = 0xFFFFFFFF
@@ -394,6 +398,10 @@ def _layout(codec_id: int, dtype_id: int, n: int, p0: int, p1: int) -> dict[str,
     elif name == "qsgd":
         lay["codes"] = b + 4 * -(-n // p1)
         end = lay["codes"] + -(-(n * qsgd_code_bits(p0)) // 8)
+    elif name == "topk" and p1 == TOPK_COMPACT:  # counts per span, 16-bit low index bits, 16-bit values
+        lay["codes"] = b + 4 * -(-n // COMPACT_SPAN)
+        lay["values"] = lay["codes"] + 2 * p0
+        end = lay["values"] + 2 * p0
     elif name == "topk":
         lay["values"] = b + 4 * p0
         end = lay["values"] + p0 * vb
@@ -404,8 +412,10 @@ def _layout(codec_id: int, dtype_id: int, n: int, p0: int, p1: int) -> dict[str,
     return lay
 
 
-def _params(codec: str, n: int, k: int, levels: int, block: int) -> tuple[int, int]:
-    if codec in ("topk", "randomk"):
+def _params(codec: str, n: int, k: int, levels: int, block: int, compact: bool = False) -> tuple[int, int]:
+    if codec == "topk":
+        return int(k), TOPK_COMPACT if compact else 0
+    if codec == "randomk":
         return int(k), 0
     if codec == "qsgd":
         return int(levels), int(block)
@@ -444,7 +454,9 @@ def _header_problem(h: dict) -> str | None:
         return "unexpected parameter for this codec"
     if name == "signsgd" and not 1 <= p1 <= (1 << 40):
         return "signsgd block outside [1, 2^40]"
-    if name not in ("qsgd", "signsgd") and p1 != 0:
+    if name == "topk" and p1 not in (0, TOPK_COMPACT):
+        return "topk index layout is neither wide nor compact"
+    if name not in ("qsgd", "signsgd", "topk") and p1 != 0:
         return "unexpected parameter for this codec"
     if name in ("terngrad", "qsgd") and n > MAX_STOCHASTIC_NUMEL:
         return "element count above 2^34 for a stochastic codec"
@@ -454,13 +466,13 @@ def _header_problem(h: dict) -> str | None:
 
 
 def ref_payload_nbytes(codec: str, numel: int, dtype: torch.dtype, *, k: int = 0, levels: int = 0,
-                       block: int = 0) -> int:
+                       block: int = 0, compact: bool = False) -> int:
     """Exact bytes of one payload, header and padding included."""
     if codec not in CODEC_IDS:
         raise ValueError(f"unknown codec {codec!r}")
     if dtype not in DTYPE_IDS:
         raise ValueError(f"unsupported dtype {dtype}")
-    p0, p1 = _params(codec, numel, k, levels, block)
+    p0, p1 = _params(codec, numel, k, levels, block, compact)
     h = dict(magic=MAGIC, version=FORMAT_VERSION, codec=CODEC_IDS[codec], dtype=DTYPE_IDS[dtype],
              reserved=0, numel=numel, param0=p0, param1=p1)
     problem = _header_problem(h)
@@ -565,16 +577,18 @@ def _sent_values(g: torch.Tensor, m: torch.Tensor, residual: torch.Tensor | None
 
 def ref_encode(codec: str, grad: torch.Tensor, residual: torch.Tensor | None = None, *, k: int = 0,
                levels: int = 0, block: int = 0, seed: int = 0, step: int = 0, bucket: int = 0,
-               rank: int = 0, norm_scale: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+               rank: int = 0, norm_scale: bool = False, compact: bool = False
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(payload bytes, new residual or None). Inputs are left untouched. norm_scale (signsgd): each
-    block's scale is the root mean square of m instead of the mean |m| (the two-phase owner's re-encode)."""
+    block's scale is the root mean square of m instead of the mean |m| (the two-phase owner's re-encode).
+    compact (topk): the compact layout; an fp32 gradient's values go as bf16, error feedback keeps what they lose."""
     if codec not in CODEC_IDS:
         raise ValueError(f"unknown codec {codec!r}")
     dtype = grad.dtype
     if dtype not in DTYPE_IDS:
         raise ValueError(f"unsupported dtype {dtype}")
     n = grad.numel()
-    p0, p1 = _params(codec, n, k, levels, block)
+    p0, p1 = _params(codec, n, k, levels, block, compact)
     codec_id, dtype_id = CODEC_IDS[codec], DTYPE_IDS[dtype]
     problem = _header_problem(dict(magic=MAGIC, version=FORMAT_VERSION, codec=codec_id, dtype=dtype_id,
                                    reserved=0, numel=n, param0=p0, param1=p1))
@@ -604,9 +618,17 @@ def ref_encode(codec: str, grad: torch.Tensor, residual: torch.Tensor | None = N
     elif codec == "topk":
         mt = _sent_values(g, m, residual)
         idx = _topk_select(mt, p0)
-        body = torch.cat([_as_bytes(idx.to(torch.int32)), _as_bytes(mt[idx])])
+        if compact:
+            sent = round_to_saturating(mt[idx], torch.bfloat16) if dtype == torch.float32 else mt[idx]
+            counts = torch.bincount(idx // COMPACT_SPAN, minlength=-(-n // COMPACT_SPAN)).to(torch.int32)
+            low_bits = _as_bytes((idx % COMPACT_SPAN).to(torch.int32)).view(-1, 4)[:, :2]  # little-endian
+            body = torch.cat([_as_bytes(counts), low_bits.reshape(-1), _as_bytes(sent)])
+        else:
+            sent = mt[idx]
+            body = torch.cat([_as_bytes(idx.to(torch.int32)), _as_bytes(sent)])
         if residual is not None:
-            mt[idx] = 0
+            lost = to_float(mt[idx]) - to_float(sent)  # exact: sent is m rounded to 16 bits, or m itself
+            mt[idx] = torch.where(torch.isfinite(to_float(mt[idx])), lost, 0.0).to(dtype)
             new_residual = mt
         decoded = None
     else:  # randomk
@@ -635,6 +657,21 @@ def ref_encode(codec: str, grad: torch.Tensor, residual: torch.Tensor | None = N
 # Decode
 # ----------------------------------------------------------------------------------------------
 
+def ref_topk_indices(payload: torch.Tensor) -> torch.Tensor | None:
+    """A topk payload's k indices (int64) from either layout; None when compact counts do not add up to k."""
+    h = parse_header(payload)
+    lay = _layout(h["codec"], h["dtype"], h["numel"], h["param0"], h["param1"])
+    k = h["param0"]
+    if h["param1"] != TOPK_COMPACT:
+        return _field(payload, lay["codes"], k, torch.int32).to(torch.int64)
+    counts = _field(payload, HEADER_BYTES, -(-h["numel"] // COMPACT_SPAN), torch.int32).to(torch.int64) & 0xFFFFFFFF
+    if int(counts.sum()) != k:
+        return None
+    low_bits = _field(payload, lay["codes"], k, torch.int16).to(torch.int64) & 0xFFFF
+    spans = torch.repeat_interleave(torch.arange(counts.numel()), counts)
+    return spans * COMPACT_SPAN + low_bits
+
+
 def ref_validate(payloads: torch.Tensor) -> str | None:
     """Why a [count, bytes] stack cannot be decoded, or None."""
     if payloads.dim() == 1:
@@ -656,7 +693,9 @@ def ref_validate(payloads: torch.Tensor) -> str | None:
     if CODEC_NAMES[h["codec"]] == "topk":
         k = h["param0"]
         for p in range(count):
-            idx = _field(payloads[p], lay["codes"], k, torch.int32)
+            idx = ref_topk_indices(payloads[p])
+            if idx is None:
+                return f"payload {p}: the counts per span do not add up to k"
             if bool(((idx < 0) | (idx >= h["numel"])).any()):
                 return f"payload {p}: index outside [0, {h['numel']})"
             if k > 1 and not bool((idx[1:] > idx[:-1]).all()):
@@ -696,8 +735,9 @@ def _decoded_one(payload: torch.Tensor, h: dict, lay: dict, randomk_idx: torch.T
         return torch.where((codes & 1) == 1, -magnitude, magnitude)
     out = torch.zeros(n, dtype=torch.float32)
     if name == "topk":
-        idx = _field(payload, lay["codes"], p0, torch.int32).to(torch.int64)
-        values = to_float(_field(payload, lay["values"], p0, dtype))
+        idx = ref_topk_indices(payload)
+        compact_fp32 = p1 == TOPK_COMPACT and dtype == torch.float32
+        values = to_float(_field(payload, lay["values"], p0, torch.bfloat16 if compact_fp32 else dtype))
     else:
         idx = randomk_idx if randomk_idx is not None else ref_randomk_indices(n, p0, h["seed"], h["step"], h["bucket"])
         values = to_float(_field(payload, HEADER_BYTES, p0, dtype))

@@ -14,7 +14,7 @@ ALL_CODECS = ["none", "fp16", "bf16", "signsgd", "terngrad", "qsgd", "topk", "ra
 def test_available_lists_every_codec_with_defaults():
     listed = gradcomp.available()
     assert sorted(listed) == sorted(ALL_CODECS)
-    assert listed["topk"] == {"ratio": 0.01, "error_feedback": True}
+    assert listed["topk"] == {"ratio": 0.01, "error_feedback": True, "compact": False}
     assert listed["qsgd"]["levels"] == 15 and listed["qsgd"]["block"] == 512
     assert listed["powersgd"]["rank"] == 2
     assert listed["signsgd"]["error_feedback"] is True and listed["terngrad"]["error_feedback"] is False
@@ -26,7 +26,10 @@ def test_available_lists_every_codec_with_defaults():
 def test_every_name_builds_with_its_defaults(name):
     c = gradcomp.codec(name)
     assert c.name == name
-    assert c.params == gradcomp.available()[name]
+    # Every parameter is in params, but for an option added later whose default changes nothing: it is named
+    # only when on, so that the spec, and the configuration a checkpoint holds, stay what they were.
+    added_later = {"topk": {"compact"}}.get(name, set())
+    assert c.params == {k: v for k, v in gradcomp.available()[name].items() if k not in added_later}
     assert c.collective in ("allreduce", "allgather")
 
 
@@ -40,6 +43,16 @@ def test_spec_string_and_keyword_parameters():
     assert gradcomp.codec("signsgd:vote=true").vote is True
     assert gradcomp.codec("powersgd:rank=4").rank == 4
     assert gradcomp.parse_spec("randomk:ratio=0.1,seed=7") == ("randomk", {"ratio": 0.1, "seed": 7})
+
+
+def test_topk_compact_is_named_only_when_on():
+    assert gradcomp.codec("topk").spec() == "topk:error_feedback=True,ratio=0.01"  # as before the option
+    assert gradcomp.codec("topk:compact=false").spec() == "topk:error_feedback=True,ratio=0.01"
+    compact = gradcomp.codec("topk:compact=true")
+    assert compact.spec() == "topk:compact=True,error_feedback=True,ratio=0.01"
+    assert gradcomp.codec(compact.spec()).compact is True
+    with pytest.raises(ValueError, match="compact must be True or False, got 1"):
+        gradcomp.codec("topk", compact=1)
 
 
 def test_spec_round_trips():

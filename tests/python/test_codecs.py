@@ -25,7 +25,9 @@ import gradcomp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from reference import (  # noqa: E402
     CODEC_IDS,
+    COMPACT_SPAN,
     HEADER_BYTES,
+    TOPK_COMPACT,
     canonical_sum,
     parse_header,
     philox4x32_10,
@@ -34,6 +36,7 @@ from reference import (  # noqa: E402
     ref_encode,
     ref_payload_nbytes,
     ref_randomk_indices,
+    ref_topk_indices,
     ref_uniforms,
     ref_validate,
     saturated_norm,
@@ -59,6 +62,7 @@ CASES = [
     ("qsgd", {"levels": 8, "block": 8192}),  # 5-bit codes across bytes; one block of 2 reduce chunks
     ("qsgd", {"levels": 32767, "block": 333}),  # 16-bit codes, the largest level count
     ("topk", {"ratio": 0.013}),
+    ("topk", {"ratio": 0.013, "compact": True}),  # 16-bit indices per span, bf16 values for fp32
     ("randomk", {"ratio": 0.05}),
 ]
 CASE_IDS = [name + "".join(f"-{k}{v}" for k, v in p.items()) for name, p in CASES]
@@ -77,6 +81,8 @@ def _one_thread():
 
 def wire_kwargs(name: str, params: dict, n: int) -> dict:
     """Keyword arguments of ref_encode / ref_payload_nbytes for a case."""
+    if name == "topk" and params.get("compact"):
+        return {"k": gradcomp.count_for_ratio(params["ratio"], n), "compact": True}
     if name in ("topk", "randomk"):
         return {"k": gradcomp.count_for_ratio(params["ratio"], n)}
     if name == "qsgd":
@@ -86,9 +92,11 @@ def wire_kwargs(name: str, params: dict, n: int) -> dict:
     return {}
 
 
-def lib_encode(name, grad, residual=None, *, k=0, levels=0, block=0, seed=0, step=0, bucket=0, rank=0):
+def lib_encode(name, grad, residual=None, *, k=0, levels=0, block=0, compact=False, seed=0, step=0, bucket=0,
+               rank=0):
     param0 = k if name in ("topk", "randomk") else levels
-    return OPS.encode(grad, residual, name, param0, block, seed, step, bucket, rank)
+    param1 = TOPK_COMPACT if compact else block
+    return OPS.encode(grad, residual, name, param0, param1, seed, step, bucket, rank)
 
 
 def lib_decode(payloads, dtype, numel, alpha=1.0, vote=False):
@@ -151,6 +159,9 @@ def float_fields(name: str, n: int, kw: dict, dtype: torch.dtype) -> list[tuple[
         return [(HEADER_BYTES, 1, torch.float32)]
     if name in ("qsgd", "signsgd"):
         return [(HEADER_BYTES, -(-n // kw["block"]), torch.float32)]
+    if name == "topk" and kw.get("compact"):  # the values, after the counts and 16-bit indices
+        spans = -(-n // COMPACT_SPAN)
+        return [(HEADER_BYTES + 4 * spans + 2 * kw["k"], kw["k"], torch.bfloat16 if dtype == torch.float32 else dtype)]
     if name == "topk":
         return [(HEADER_BYTES + 4 * kw["k"], kw["k"], dtype)]
     if name == "randomk":
@@ -634,8 +645,13 @@ def test_empty_and_single_element(name, params, dtype, n):
     out = lib_decode(stack, dtype, n, 0.5)
     assert_same(out, ref_decode_sum(stack, dtype, 0.5))
     assert out.numel() == n
-    if n == 1 and name in ("none", "topk", "randomk"):
+    lossless = name in ("none", "topk", "randomk") and not (kw.get("compact") and dtype == torch.float32)
+    if n == 1 and lossless:
         assert_same(lib_decode(payload, dtype, 1), (grad.float() + residual.float()).to(dtype))
+    elif n == 1 and name == "topk":  # compact: the value as bf16, the rest kept in the residual
+        m = grad.float() + residual.float()
+        assert_same(lib_decode(payload, dtype, 1), m.to(torch.bfloat16).float())
+        assert_same(lib_decode(payload, dtype, 1) + lib_residual, m)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -694,7 +710,7 @@ def test_nan_and_inf(name, params, dtype):
             in_bad = torch.tensor([int(b) in bad_blocks for b in blocks])
             assert bool(nan[in_bad].all()) and bool(finite[~in_bad].all())
         elif name == "topk":
-            sent = payload[HEADER_BYTES:HEADER_BYTES + 4 * kw["k"]].clone().view(torch.int32).tolist()
+            sent = ref_topk_indices(payload).tolist()
             assert {nan_at, nnan_at, inf_at, ninf_at} <= set(sent)
             assert bool(nan[[nan_at, nnan_at]].all()) and single[inf_at] == float("inf")
         else:  # randomk
@@ -998,6 +1014,19 @@ def test_decode_error_messages_name_the_problem():
     assert "1000" in str(info.value) and "dtype" in str(info.value)
 
 
+def test_topk_compact_saturates_fp32_values_beyond_bf16():
+    """bf16's largest finite value is 3.3895e38: a finite fp32 above it is sent as that value, not as Inf,
+    and error feedback keeps the difference."""
+    grad = torch.tensor([3.4e38, -3.4e38, 1.0, 3e38, -1e-3])
+    residual = torch.zeros(5)
+    payload = lib_encode("topk", grad, residual, k=4, compact=True, **KEY)
+    assert_payload_equal(payload, ref_encode("topk", grad, torch.zeros(5), k=4, compact=True, **KEY)[0])
+    out = lib_decode(payload, torch.float32, 5)
+    top = torch.finfo(torch.bfloat16).max
+    assert out.tolist()[:2] == [top, -top] and bool(torch.isfinite(residual).all())
+    assert torch.equal(out + residual, grad)
+
+
 @pytest.mark.parametrize("defect", ["repeated", "descending"])
 def test_decode_refuses_topk_indices_out_of_order(defect):
     payload = _valid()  # k = 20 over 1000 elements
@@ -1034,16 +1063,21 @@ def test_ref_validate_accepts_valid_stacks():
         assert ref_validate(torch.stack([_valid(name), _valid(name)])) is None
 
 
+@pytest.mark.parametrize("compact", [False, True], ids=["wide", "compact"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("k", [1, 1500, 45000])
-def test_topk_above_the_sample_size_matches_reference(dtype, k):
-    """Tensors above 2^16 elements take the sampled-threshold path of the top-k selection."""
+def test_topk_above_the_sample_size_matches_reference(dtype, k, compact):
+    """Tensors above 2^16 elements take the sampled-threshold path of the top-k selection; compact, they
+    span 3 spans of 2^16, the middle one without a large element (k = 1: two empty spans)."""
     n = 150_001
     grad = make_grad(n, dtype, seed=k)
+    grad[COMPACT_SPAN: 2 * COMPACT_SPAN] *= 1e-3
     residual = make_residual(n, dtype)
     lib_residual = residual.clone()
-    payload = lib_encode("topk", grad, lib_residual, k=k, **KEY)
-    expected, expected_residual = ref_encode("topk", grad, residual, k=k, **KEY)
+    payload = lib_encode("topk", grad, lib_residual, k=k, compact=compact, **KEY)
+    expected, expected_residual = ref_encode("topk", grad, residual, k=k, compact=compact, **KEY)
     assert_payload_equal(payload, expected)
+    stack = torch.stack([payload, lib_encode("topk", grad.flip(0), k=k, compact=compact, **dict(KEY, rank=3))])
+    assert_same(lib_decode(stack, dtype, n, 0.5), ref_decode_sum(stack, dtype, 0.5))
     assert torch.equal(lib_residual.view(torch.int16 if dtype != torch.float32 else torch.int32),
                        expected_residual.view(torch.int16 if dtype != torch.float32 else torch.int32))

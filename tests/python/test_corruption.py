@@ -68,6 +68,8 @@ LARGE_FINITE = {
     "terngrad 2e38 on both ranks": ("terngrad", torch.float32, {W: (2e38, 2e38)}),
     "fp16 codec of 1e5": ("fp16:error_feedback=true", torch.float32, {W: (1e5, 1e5)}),
     "topk fp16 40000": ("topk:ratio=0.1", torch.float16, {W: (40000.0, 40000.0)}),
+    # compact sends fp32 values as bf16, whose largest finite value is below 3.4e38
+    "topk compact 3.4e38": ("topk:ratio=0.1,compact=true", torch.float32, {W: (3.4e38, 3.4e38)}),
     "randomk bf16 3e38": ("randomk:ratio=0.1", torch.bfloat16, {W: (3e38, 3e38)}),
     "powersgd 1e30": ("powersgd:rank=2", torch.float32, {W: (1e30, -1e30)}),
 }

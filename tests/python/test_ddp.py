@@ -29,7 +29,7 @@ LOSSLESS = {
 TOLERANCE = {"fp16": {"rtol": 2e-3, "atol": 2e-4}, "powersgd full rank": {"rtol": 1e-4, "atol": 1e-6},
              "powersgd full rank batched": {"rtol": 1e-4, "atol": 1e-6}}
 COMPRESSED = ["fp16", "bf16", "signsgd", "signsgd:vote=true", "terngrad", "qsgd", "qsgd:levels=3,block=64",
-              "topk:ratio=0.05", "randomk:ratio=0.1", "powersgd:rank=2", "powersgd:rank=2,warm_start=false"]
+              "topk:ratio=0.05", "topk:ratio=0.05,compact=true", "randomk:ratio=0.1", "powersgd:rank=2", "powersgd:rank=2,warm_start=false"]
 
 
 def assert_lossless(results, reference="plain"):
@@ -123,7 +123,7 @@ def test_ranks_agree_on_the_averaged_gradient(training_runs):
                 assert torch.equal(outs[0][key], out), (spec, key)
 
 
-RESUMED = ["none", "fp16", "bf16", "signsgd", "terngrad", "qsgd", "topk", "randomk", "powersgd",
+RESUMED = ["none", "fp16", "bf16", "signsgd", "terngrad", "qsgd", "topk", "topk:compact=true", "randomk", "powersgd",
            "powersgd:batch_same_shape=true",
            ("topk", {"start_iter": 5, "start_codec": "qsgd:levels=127"}),  # saved under the start codec
            ("powersgd", {"start_iter": 3, "start_codec": "signsgd:error_feedback=false"})]  # saved after it

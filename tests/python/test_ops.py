@@ -9,7 +9,7 @@ import gradcomp
 
 # codec, param0, param1 for a 300-element gradient
 WIRE_CASES = [("none", 0, 0), ("fp16", 0, 0), ("bf16", 0, 0), ("signsgd", 0, 64), ("terngrad", 0, 0),
-              ("qsgd", 15, 64), ("topk", 9, 0), ("randomk", 9, 0)]
+              ("qsgd", 15, 64), ("topk", 9, 0), ("topk", 9, 1), ("randomk", 9, 0)]  # topk 1: compact
 
 
 @pytest.mark.parametrize("codec, param0, param1", WIRE_CASES)

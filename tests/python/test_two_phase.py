@@ -18,7 +18,8 @@ from gradcomp.schemes import AllgatherBucket, TwoPhaseBucket, plan_class
 
 TWO_PHASE = {"scheme": "two-phase", "start_iter": 1, "min_bucket_ratio": 0}  # from DDP's rebuilt buckets on
 SPECS = ["signsgd", "signsgd:vote=true", "signsgd:error_feedback=false", "terngrad", "qsgd",
-         "qsgd:levels=3,block=64", "qsgd:error_feedback=true", "topk:ratio=0.05", "topk:ratio=1"]
+         "qsgd:levels=3,block=64", "qsgd:error_feedback=true", "topk:ratio=0.05", "topk:ratio=0.05,compact=true",
+         "topk:ratio=1"]
 CONFIGS = {"plain": ("mlp", None, {}),
            **{spec: ("mlp", spec, TWO_PHASE) for spec in SPECS},
            "vectors topk 1": ("vectors", "topk:ratio=1", TWO_PHASE), "vectors plain": ("vectors", None, {}),
