@@ -90,14 +90,13 @@ void encode_cpu(const EncodeArgs& args) {
 
 namespace {
 
+// Why index, at position j after previous, is not a valid topk index (it is out of range or not ascending).
 std::string index_problem(int64_t index, int64_t j, int64_t previous, int64_t n) {
   if (index < 0 || index >= n)
     return "index " + std::to_string(index) + " at position " + std::to_string(j) + " is outside [0, " +
            std::to_string(n) + ")";
-  if (index <= previous)
-    return "index " + std::to_string(index) + " at position " + std::to_string(j) + " does not follow " +
-           std::to_string(previous) + " (indices must be strictly ascending)";
-  return "";
+  return "index " + std::to_string(index) + " at position " + std::to_string(j) + " does not follow " +
+         std::to_string(previous) + " (indices must be strictly ascending)";
 }
 
 }  // namespace
@@ -112,8 +111,7 @@ std::string read_topk_indices(const uint8_t* payload, const PayloadHeader& h, st
     for (int64_t j = 0; j < k; ++j) {
       int32_t index;
       std::memcpy(&index, payload + layout.codes + 4 * j, sizeof index);
-      std::string problem = index_problem(index, j, previous, h.numel);
-      if (!problem.empty()) return problem;
+      if (index < 0 || index >= h.numel || index <= previous) return index_problem(index, j, previous, h.numel);
       indices.push_back(index);
       previous = index;
     }
@@ -131,8 +129,7 @@ std::string read_topk_indices(const uint8_t* payload, const PayloadHeader& h, st
       uint16_t low;
       std::memcpy(&low, payload + layout.codes + 2 * j, sizeof low);
       const int64_t index = span * kCompactSpan + low;
-      std::string problem = index_problem(index, j, std::max(previous, span * kCompactSpan - 1), h.numel);
-      if (!problem.empty()) return problem;
+      if (index >= h.numel || index <= previous) return index_problem(index, j, previous, h.numel);
       indices.push_back(static_cast<int32_t>(index));
       previous = index;
     }

@@ -177,17 +177,26 @@ void encode_typed(const EncodeArgs& a) {
   }
 }
 
+// The k indices of a validated payload: the wide layout's own int32 array, or the compact layout's
+// expanded into scratch.
+const int32_t* indices_of(const uint8_t* payload, const PayloadHeader& h, std::vector<int32_t>& scratch) {
+  if (h.param1 != kTopkCompact) return field<int32_t>(payload, body_layout(h).codes);
+  read_topk_indices(payload, h, scratch);
+  scratch.resize(h.param0, -1);  // only a race after validation leaves it short; -1 fails the bound check
+  return scratch.data();
+}
+
 template <typename T, typename V>
 void decode_typed(const DecodeArgs& a, const PayloadHeader& h) {
-  const int64_t n = h.numel;
+  const int64_t n = h.numel, k = h.param0;
   const int64_t values_at = body_layout(h).values;
   T* out = static_cast<T*>(a.out);
   std::fill(out, out + n, from_float<T>(0.0f));
-  std::vector<int32_t> indices;  // validated already; the bound checks keep any race in bounds
+  std::vector<int32_t> expanded;  // validated already; the bound checks keep any race in bounds
   if (a.count == 1) {  // each index written once: 0 + alpha * v
-    read_topk_indices(a.payloads, h, indices);
+    const int32_t* indices = indices_of(a.payloads, h, expanded);
     const V* values = field<V>(a.payloads, values_at);
-    for (size_t j = 0; j < indices.size(); ++j)
+    for (int64_t j = 0; j < k; ++j)
       if (static_cast<uint32_t>(indices[j]) < static_cast<uint64_t>(n))
         out[indices[j]] = from_float_saturating<T>(0.0f + a.alpha * to_float(values[j]));
     return;
@@ -199,9 +208,9 @@ void decode_typed(const DecodeArgs& a, const PayloadHeader& h) {
     sums = scratch.data();
   }
   for (int64_t p = 0; p < a.count; ++p) {
-    read_topk_indices(a.payloads + p * a.stride, h, indices);
+    const int32_t* indices = indices_of(a.payloads + p * a.stride, h, expanded);
     const V* values = field<V>(a.payloads + p * a.stride, values_at);
-    for (size_t j = 0; j < indices.size(); ++j)
+    for (int64_t j = 0; j < k; ++j)
       if (static_cast<uint32_t>(indices[j]) < static_cast<uint64_t>(n)) sums[indices[j]] = add_saturating(sums[indices[j]], a.alpha * to_float(values[j]));
   }
   if constexpr (!std::is_same_v<T, float>)  // fp32 sums are already in out
