@@ -182,13 +182,14 @@ struct TopkWorkspace : Carved<8> {
   int64_t tiles;
   size_t scan_bytes;
 
-  explicit TopkWorkspace(const PayloadHeader& h) : TopkWorkspace(h, tiles_for(h.numel)) {}
-  TopkWorkspace(const PayloadHeader& h, int64_t tiles_)
+  explicit TopkWorkspace(const PayloadHeader& h)
+      : TopkWorkspace(h, tiles_for(h.numel), scan_storage_bytes(tiles_for(h.numel))) {}
+  TopkWorkspace(const PayloadHeader& h, int64_t tiles_, size_t scan_bytes_)
       : Carved<8>({sizeof(SelectState), sizeof(uint32_t) * kTopBins, 4 * size_t(tiles_), 4 * size_t(tiles_),
-                   4 * size_t(tiles_), 4 * size_t(tiles_), scan_storage_bytes(tiles_),
+                   4 * size_t(tiles_), 4 * size_t(tiles_), scan_bytes_,
                    h.param1 == kTopkCompact ? 4 * size_t(h.param0) : 0}),
         tiles(tiles_),
-        scan_bytes(scan_storage_bytes(tiles_)) {}
+        scan_bytes(scan_bytes_) {}
 };
 
 // The first position of the ascending indices[0, k) at or above value.
@@ -255,8 +256,8 @@ __global__ void expand_compact(const uint8_t* payloads, int64_t count, int64_t s
   }
 }
 
-// validate_topk_indices on the device, one thread per index of every payload (the payload's own
-// int32 indices, or the expanded compact ones).
+// read_topk_indices's checks (csrc/cpu/codec.cpp) on the device, one thread per index of every
+// payload (the payload's own int32 indices, or the expanded compact ones).
 __global__ void check_indices(const int32_t* all_indices, int64_t count, int64_t stride_words, int64_t k, int64_t n,
                               uint32_t* status) {
   GC_GRID_LOOP(j, count * k) {
@@ -365,9 +366,10 @@ cudaError_t encode_topk(const EncodeParams& p, cudaStream_t stream) {
 
 void check_topk(const DecodeParams& d, uint32_t* problems, cudaStream_t stream) {
   const PayloadHeader& h = d.expected;
-  const int64_t k = h.param0, stride = body_layout(h).total;
+  const int64_t k = h.param0;
   if (k == 0) return;
   const BodyLayout layout = body_layout(h);
+  const int64_t stride = layout.total;
   if (h.param1 != kTopkCompact) {
     check_indices<<<blocks_for(d.count * k), kThreads, 0, stream>>>(
         reinterpret_cast<const int32_t*>(d.payloads + layout.codes), d.count, stride / 4, k, h.numel, problems);

@@ -100,9 +100,9 @@ std::vector<CodecVariant> codec_variants();
 // variable GRADCOMP_CPU_ISA=base or avx2, read once, caps it (for tests and comparisons).
 const char* cpu_isa();
 
-// A topk payload's k indices as int32, from either layout (wire.h), into indices (resized to k); or,
+// A topk payload's k indices as int32, from either layout (wire.h), into indices (cleared first); or,
 // when they are out of range, not strictly ascending, or compact counts that do not add up to k,
-// why not (indices then holds what was read up to there). Shared by every variant.
+// why not (indices then holds those read before the fault). Shared by every variant.
 std::string read_topk_indices(const uint8_t* payload, const PayloadHeader&, std::vector<int32_t>& indices);
 
 

@@ -373,9 +373,14 @@ TEST_F(CudaChecksPayloads, ExpectedParametersMustMatch) {
   EXPECT_TRUE(all_nan);
 }
 
-TEST(CudaChecksCompactTopk, CountsAndIndicesThatDoNotFitAreRefused) {
+class CudaChecksCompactTopk : public ::testing::TestWithParam<int64_t> {};
+
+// 4 spans, and 301: the per-payload scan of the counts then takes two rounds of a block's threads.
+INSTANTIATE_TEST_SUITE_P(Spans, CudaChecksCompactTopk, ::testing::Values(3 * 65536 + 100, 300 * 65536 + 100));
+
+TEST_P(CudaChecksCompactTopk, CountsAndIndicesThatDoNotFitAreRefused) {
   REQUIRE_GPU();
-  const int64_t n = 3 * 65536 + 100, k = 60;
+  const int64_t n = GetParam(), k = 60;
   const PayloadHeader header = make_header(Codec::TopK, DType::F32, n, k, kTopkCompact, RandomKey{5, 1, 0, 0});
   const Case c{Codec::TopK, 0, kTopkCompact, DType::F32, n, false};
   const BodyLayout layout = body_layout(header);
@@ -409,6 +414,11 @@ TEST(CudaChecksCompactTopk, CountsAndIndicesThatDoNotFitAreRefused) {
   std::memcpy(&count0, &good[stride + layout.scales], 4);
   for (uint32_t bad_count : {count0 + 1, count0 - 1, 0xFFFFFFFFu})  // the counts no longer add up to k
     EXPECT_EQ(status_of(poke(layout.scales, &bad_count, 4)), uint32_t{kIndexInvalid}) << bad_count;
+  const int64_t last_span = (n - 1) / 65536;  // holds the last index; one more there breaks the total
+  uint32_t last_count;
+  std::memcpy(&last_count, &good[stride + layout.scales + 4 * last_span], 4);
+  ++last_count;
+  EXPECT_EQ(status_of(poke(layout.scales + 4 * last_span, &last_count, 4)), uint32_t{kIndexInvalid});
   const uint16_t past_n = 100;  // the last index, in the last span of 100 elements
   EXPECT_EQ(status_of(poke(layout.codes + 2 * (k - 1), &past_n, 2)), uint32_t{kIndexInvalid});
   ASSERT_GE(count0, 2u);

@@ -55,8 +55,8 @@ int main(int argc, char** argv) {
           // signsgd blocks: smaller than n and not a multiple of 8 (a short last block), a multiple of
           // 8, and larger than n.
           const int64_t signsgd_block = numel == 1000 ? 300 : numel == 64 ? 8 : numel == 7 ? 3 : 256;
-          // topk: the wide layout for the small sizes, the compact one (counts per span) for the others
-          const int64_t topk_layout = numel >= 64 ? kTopkCompact : kTopkWide;
+          // topk: the wide layout, and for the larger sizes of 3 payloads the compact one (counts per span)
+          const int64_t topk_layout = numel >= 64 && count == 3 ? kTopkCompact : kTopkWide;
           const int64_t param1 = codec == Codec::QSGD      ? 16
                                  : codec == Codec::SignSGD ? signsgd_block
                                  : codec == Codec::TopK    ? topk_layout
