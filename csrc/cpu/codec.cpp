@@ -1,5 +1,4 @@
 // Codec dispatch and payload validation for the CPU path.
-#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 
