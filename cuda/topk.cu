@@ -350,10 +350,7 @@ cudaError_t encode_topk(const EncodeParams& p, cudaStream_t stream) {
       write_selected<<<tile_blocks, kThreads, 0, stream>>>(m, residual, n, state, above_before, equal_before, indices,
                                                            reinterpret_cast<V*>(p.payload + layout.values));
     };
-    if constexpr (std::is_same_v<T, float>) {
-      if (topk_value_dtype(p.header) == DType::BF16) return write(static_cast<bf16*>(nullptr));
-    }
-    write(t);
+    visit_topk_value_type<T>(p.header, write);
   });
   if (error == cudaSuccess && compact) {
     const int64_t spans = ceil_div(n, kCompactSpan);
@@ -415,10 +412,7 @@ void decode_topk(const DecodeParams& d, cudaStream_t stream) {
       if constexpr (!std::is_same_v<T, float>)  // fp32 sums are already in out
         store_sums<<<blocks_for(n), kThreads, 0, stream>>>(sums, n, out);
     };
-    if constexpr (std::is_same_v<T, float>) {
-      if (topk_value_dtype(h) == DType::BF16) return sum(static_cast<bf16*>(nullptr));
-    }
-    sum(t);
+    visit_topk_value_type<T>(h, sum);
   });
 }
 

@@ -154,6 +154,16 @@ void visit_dtype(DType dtype, F&& f) {
   }
 }
 
+// Calls f with a null pointer of the type topk's values travel as for a gradient of type T
+// (topk_value_dtype): bf16 for a compact fp32 gradient, T itself otherwise (host side).
+template <typename T, typename F>
+void visit_topk_value_type(const PayloadHeader& h, F&& f) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (topk_value_dtype(h) == DType::BF16) return f(static_cast<bf16*>(nullptr));
+  }
+  f(static_cast<T*>(nullptr));
+}
+
 constexpr const char* kCodecNames[kNumCodecs] = {"none", "fp16", "bf16", "signsgd", "terngrad", "qsgd", "topk", "randomk"};
 constexpr const char* kValidCodecNames = "none, fp16, bf16, signsgd, terngrad, qsgd, topk, randomk";
 

@@ -221,10 +221,7 @@ void decode_typed(const DecodeArgs& a, const PayloadHeader& h) {
 template <typename F>
 void visit_topk_types(const PayloadHeader& h, F&& f) {
   visit_dtype(static_cast<DType>(h.dtype), [&](auto* t) {
-    if constexpr (std::is_same_v<std::remove_pointer_t<decltype(t)>, float>) {
-      if (topk_value_dtype(h) == DType::BF16) return f(t, static_cast<bf16*>(nullptr));
-    }
-    f(t, t);
+    visit_topk_value_type<std::remove_pointer_t<decltype(t)>>(h, [&](auto* v) { f(t, v); });
   });
 }
 
