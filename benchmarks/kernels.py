@@ -66,11 +66,12 @@ QUICK_MB = (4.0,)
 DECODE_FAN_IN = 4  # payloads stacked for the second decode column
 CODEC_SPECS = (
     "none", "fp16", "bf16", "signsgd", "terngrad", "qsgd",
-    "topk:ratio=0.01", "topk:ratio=0.001", "randomk:ratio=0.01", "powersgd:rank=4",
+    "topk:ratio=0.01", "topk:ratio=0.01,compact=true", "topk:ratio=0.001", "randomk:ratio=0.01", "powersgd:rank=4",
 )
 # The reference's keyword arguments that carry a codec's two wire parameters (wire_params).
 # None: a wire parameter the codec leaves at 0.
-REFERENCE_WIRE_KEYWORDS = {"topk": ("k",), "randomk": ("k",), "qsgd": ("levels", "block"), "signsgd": (None, "block")}
+REFERENCE_WIRE_KEYWORDS = {"topk": ("k", "compact"), "randomk": ("k",), "qsgd": ("levels", "block"),
+                           "signsgd": (None, "block")}
 
 
 # --------------------------------------------------------------------------------------- timing
@@ -343,7 +344,7 @@ def number_cell(value: float | None) -> str:
 
 
 TABLE_COLUMNS = (  # heading, key of Row.to_dict(), width, formatter; the first column is left-aligned
-    ("codec", "codec", 18, text_cell),
+    ("codec", "codec", 28, text_cell),
     ("MB", "size_mb", 5, size_cell),
     ("enc GB/s", "encode_gbps", 9, number_cell),
     ("dec GB/s", "decode_gbps", 9, number_cell),
