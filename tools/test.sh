@@ -2,7 +2,8 @@
 # Runs the whole test suite: the GoogleTest suite of the torch-free kernels (ctest; also on emulated
 # older CPUs, and again under AddressSanitizer and UndefinedBehaviorSanitizer), a bounded run of the
 # decoder fuzzers (tools/fuzz.sh), pytest against the installed gradcomp, then a build with the CUDA
-# codecs against the CUDA build of torch, and its tests (tools/cuda_build_check.sh). Every part runs
+# codecs against the CUDA build of torch, and its tests (tools/cuda_build_check.sh, which runs
+# tools/gpu_check.sh: its GPU stages skip where there is no GPU, saying so). Every part runs
 # even when an earlier one failed; exits non-zero if any failed, found a sanitizer error, or ran no test.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -42,8 +43,9 @@ sanitized_kernel_tests() {
 python_tests() {
   # Run from outside the source tree so that the installed package is what gets imported.
   local status=0
-  # The framework tests fail here rather than skip when Lightning or Accelerate is missing.
-  (cd tests && GRADCOMP_REQUIRE_FRAMEWORKS=1 "$PYTHON" -m pytest -q -p no:cacheprovider python "$@") || status=$?
+  # Tests that need an optional package or program (Lightning, Accelerate, mnist1d, bible-kjv) fail
+  # here rather than skip when it is missing (tests/python/conftest.py).
+  (cd tests && GRADCOMP_REQUIRE_OPTIONAL=1 "$PYTHON" -m pytest -q -p no:cacheprovider python "$@") || status=$?
   if [ "$status" = 5 ]; then
     echo "pytest collected no tests: that is a failure here" >&2
     return 1
@@ -68,7 +70,7 @@ stage "C++ kernels on emulated older CPUs" emulated_cpus
 stage "C++ kernels under AddressSanitizer and UndefinedBehaviorSanitizer" sanitized_kernel_tests
 stage "Decoder fuzzers (libFuzzer with ASan and UBSan)" bash tools/fuzz.sh
 stage "Python (pytest)" python_tests "$@"
-stage "CUDA build: compiled and linked here, its tests run (GPU tests where a GPU is)" bash tools/cuda_build_check.sh
+stage "CUDA build: compiled and linked here, its tests run (tools/gpu_check.sh; GPU stages where a GPU is)" bash tools/cuda_build_check.sh
 
 if [ ${#failed[@]} -gt 0 ]; then
   printf 'FAILED: %s\n' "${failed[@]}" >&2

@@ -42,6 +42,7 @@ def run_script(*args, timeout=900):
     return result.stdout
 
 
+@pytest.mark.needs("mnist1d")
 def test_accuracy_vs_ratio_quick_mode_writes_and_merges(tmp_path):
     script = BENCHMARKS / "accuracy_vs_ratio.py"
     run_script(script, "--quick", "--epochs", "1", "--codecs", "none", "topk:ratio=0.1", "--out", tmp_path)
@@ -124,6 +125,7 @@ def test_two_phase_ops_quick_mode(tmp_path):
     assert "copy_" in stdout
 
 
+@pytest.mark.needs("bible")
 def test_lm_quick_mode_learns_and_writes(tmp_path):
     out = run_script(BENCHMARKS / "lm.py", "--quick", "--codecs", "none", "topk:ratio=0.01", "--out", tmp_path)
     report = json.loads((tmp_path / "lm_quick.json").read_text())
@@ -181,6 +183,7 @@ def test_lm_variants_block_sign_scales_each_block_by_its_mean_magnitude():
         variants.check_spec("blocksign:blocks=4")
 
 
+@pytest.mark.needs("bible")
 def test_lm_variants_block_sign_trains_as_signsgd_with_blocks_does(tmp_path):
     # The pure-PyTorch stand-in and gradcomp's signsgd with the same block size: both runs must agree.
     run_script(BENCHMARKS / "lm_variants.py", "--quick", "--codecs", "signsgd:block=64", "blocksign:block=64",
@@ -240,6 +243,7 @@ def test_lm_variants_spread_hands_an_arrival_out_by_the_gap_it_closed():
     assert [float(h[1]) for h in held] == [4.0] * 8
 
 
+@pytest.mark.needs("bible")
 def test_lm_variants_spread_and_fraction_train(tmp_path, monkeypatch):
     variants = load_benchmark("lm_variants.py")
     monkeypatch.setattr(variants, "SPREAD", "decay")
@@ -294,6 +298,7 @@ def test_lm_variants_scaled_top_k_chooses_by_magnitude_over_the_running_rms():
             variants.check_spec(f"scaledtopk:{bad}")
 
 
+@pytest.mark.needs("bible")
 def test_lm_variants_scaled_top_k_trains_and_by_none_is_gradcomps_topk(tmp_path):
     specs = ["topk:ratio=0.01", "scaledtopk:ratio=0.01,by=none", "scaledtopk:ratio=0.01",
              "scaledtopk:ratio=0.01,by=tensor", "scaledtopk:ratio=0.01,by=none,warmup=10",
@@ -324,6 +329,7 @@ def test_lm_variants_scaled_top_k_trains_and_by_none_is_gradcomps_topk(tmp_path)
         run_script(script, "--quick", "--plain-steps", "1", "--out", tmp_path)
 
 
+@pytest.mark.needs("bible")
 def test_lm_variants_start_codec_replaces_the_plain_start(tmp_path):
     script, spec = BENCHMARKS / "lm_variants.py", "signsgd:error_feedback=false"
     run_script(script, "--quick", "--plain-steps", "10", "--codecs", spec, "--out", tmp_path / "plain")
@@ -425,6 +431,7 @@ def test_lm_variants_local_variance_reaches_spawned_ranks_by_the_environment(mon
     assert variants.LOCAL_SQUARES_BLOCK == 0 and not variants.lm.CLIP_IN_OPTIMIZER  # lm.py clips again
 
 
+@pytest.mark.needs("bible")
 def test_lm_variants_local_variance_counts_its_statistic_and_trains(tmp_path):
     script = BENCHMARKS / "lm_variants.py"
     run_script(script, "--quick", "--local-variance", "1", "--codecs", "none", "topk:ratio=0.01",

@@ -1,6 +1,7 @@
 """The CUDA codecs through torch.ops.gradcomp: bit for bit the CPU codecs' payloads, residuals and
-sums; device-side payload checks; device errors; the DDP hook with two ranks on one GPU (gloo).
-Every test here needs a CUDA GPU and skips cleanly without one."""
+sums, and the two-phase ops'; device-side payload checks; device errors; the DDP hook with two ranks on
+one GPU (gloo); no host-device sync in a DDP step on NCCL. Every test here needs a CUDA GPU and skips
+cleanly without one."""
 
 import pytest
 import torch
@@ -8,6 +9,7 @@ import torch
 import gradcomp
 import ddp_scenarios as scenarios
 from ddp_harness import run_ranks, unwrap
+from gradcomp.codecs import chunk_bounds
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine")
 needs_cuda_build = pytest.mark.skipif(not gradcomp.cuda_built, reason="gradcomp was built without CUDA codecs")
@@ -53,6 +55,51 @@ def test_cuda_payloads_residuals_and_sums_are_the_cpu_bits(spec, dtype, n):
         want = codec.decode_sum(stacked, torch.empty(n, dtype=dtype), 1 / count)
         got = codec.decode_sum(stacked.cuda(), torch.empty(n, dtype=dtype, device="cuda"), 1 / count)
         assert same_bits(got, want), f"sum of {count} payloads"
+
+
+CHUNK_SPECS = ["signsgd", "signsgd:vote=true", "signsgd:block=100", "terngrad", "terngrad:error_feedback=true",
+               "qsgd:levels=7,block=16", "topk:ratio=0.1", "topk:ratio=0.01,compact=true"]
+
+
+@needs_cuda_build
+@pytest.mark.parametrize("numel, world", [(5, 8), (1003, 3), (300_001, 8)])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("spec", CHUNK_SPECS)
+def test_the_two_phase_ops_on_cuda_give_the_cpu_bits(spec, dtype, numel, world):
+    """encode_chunks (payloads and residual), reencode_sum (payload, average and owner residual) and
+    decode_chunks, each on CUDA against the same op on the CPU."""
+    codec = gradcomp.codec(spec)
+    keys = {"step": 3, "bucket": 1}
+    grad = gradient(numel, dtype, 1)
+    residual = gradient(numel, dtype, 2) if codec.error_feedback else None
+    cuda_residual = None if residual is None else residual.cuda()
+    want = codec.encode_chunks(grad, residual, world, first_rank=5, **keys)
+    got = codec.encode_chunks(grad.cuda(), cuda_residual, world, first_rank=5, **keys)
+    assert same_bits(got, want), "encode_chunks' payloads"
+    if residual is not None:
+        assert same_bits(cuda_residual, residual), "encode_chunks' residual"
+
+    bounds = chunk_bounds(numel, world)
+    owned = bounds[0][1] - bounds[0][0]
+    payloads = torch.stack([codec.encode(gradient(owned, dtype, 10 + r), rank=r, **keys) for r in range(world)])
+    owner = gradient(owned, dtype, 30) if codec.error_feedback else None
+    cuda_owner = None if owner is None else owner.cuda()
+    average, cuda_average = torch.empty(owned, dtype=dtype), torch.empty(owned, dtype=dtype, device="cuda")
+    want = codec.reencode_sum(payloads, average, owner, 1 / world, rank=99, **keys)
+    got = codec.reencode_sum(payloads.cuda(), cuda_average, cuda_owner, 1 / world, rank=99, **keys)
+    assert same_bits(got, want), "reencode_sum's payload"
+    assert same_bits(cuda_average, average), "reencode_sum's average"
+    if owner is not None:
+        assert same_bits(cuda_owner, owner), "reencode_sum's owner residual"
+
+    chunk_payloads = [codec.encode(grad[a:b].clone(), rank=j, **keys) for j, (a, b) in enumerate(bounds)]
+    rows = torch.zeros(world, max(p.numel() for p in chunk_payloads), dtype=torch.uint8)
+    for j, payload in enumerate(chunk_payloads):
+        rows[j, : payload.numel()] = payload
+    want, got = torch.full((numel,), 7.0, dtype=dtype), torch.full((numel,), 7.0, dtype=dtype, device="cuda")
+    codec.decode_chunks(rows, want)
+    codec.decode_chunks(rows.cuda(), got)
+    assert same_bits(got, want), "decode_chunks"
 
 
 @needs_cuda_build

@@ -6,6 +6,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.needs("mnist1d")  # the main job's data
+
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "train_ddp.py"
 
 

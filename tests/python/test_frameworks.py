@@ -1,11 +1,11 @@
 """gradcomp under Lightning, Fabric and Accelerate, each on 2 CPU ranks launched as its users launch it:
 a run of 2 epochs resumed from the framework's own checkpoint for 2 more ends with the weights of 4
-uninterrupted epochs, bit for bit (the jobs are in framework_jobs/). CI installs both frameworks and sets
-GRADCOMP_REQUIRE_FRAMEWORKS=1, so that there these tests fail rather than skip when one is missing."""
+uninterrupted epochs, bit for bit (the jobs are in framework_jobs/). CI installs both frameworks, and
+tools/test.sh sets GRADCOMP_REQUIRE_OPTIONAL=1, so that there these tests fail rather than skip when one
+is missing (conftest.py)."""
 
 from __future__ import annotations
 
-import importlib
 import os
 import subprocess
 import sys
@@ -18,15 +18,6 @@ import gradcomp
 
 JOBS = os.path.join(os.path.dirname(__file__), "framework_jobs")
 CODECS = ["topk", "powersgd", "qsgd"]
-
-
-def _require(module: str):
-    try:
-        return importlib.import_module(module)
-    except ImportError:
-        if os.environ.get("GRADCOMP_REQUIRE_FRAMEWORKS") == "1":
-            raise
-        pytest.skip(f"{module} is not installed (pip install 'gradcomp[{module.split('.')[0]}]')")
 
 
 def _launch(launcher: list[str], job: str, out_dir, phase: str, codecs, expect_ok: bool = True) -> str:
@@ -50,8 +41,8 @@ def _assert_resumed_equals_straight(out_dir, codecs):
                 f"{(straight[name] - resumed[name]).abs().max().item():.3g}")
 
 
+@pytest.mark.needs("lightning")
 def test_lightning_resumes_from_model_checkpoint_bit_for_bit(tmp_path):
-    _require("lightning")
     python = [sys.executable]  # Lightning starts rank 1 itself
     _launch(python, "lightning_job.py", tmp_path, "first", CODECS)
     _launch(python, "lightning_job.py", tmp_path, "resume", CODECS)
@@ -71,23 +62,23 @@ def test_lightning_resumes_from_model_checkpoint_bit_for_bit(tmp_path):
     assert "the state was saved for another configuration (codec: saved 'topk" in log
 
 
+@pytest.mark.needs("lightning")
 def test_fabric_trains_with_gradcomp_and_resumes_bit_for_bit(tmp_path):
-    _require("lightning")
     _launch([sys.executable], "fabric_job.py", tmp_path, "first", CODECS)
     _launch([sys.executable], "fabric_job.py", tmp_path, "resume", CODECS)
     _assert_resumed_equals_straight(tmp_path, CODECS)
 
 
+@pytest.mark.needs("accelerate")
 def test_accelerate_resumes_from_save_state_bit_for_bit(tmp_path):
-    _require("accelerate")
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     _launch(torchrun, "accelerate_job.py", tmp_path, "first", CODECS)
     _launch(torchrun, "accelerate_job.py", tmp_path, "resume", CODECS)
     _assert_resumed_equals_straight(tmp_path, CODECS)
 
 
+@pytest.mark.needs("lightning")
 def test_the_lightning_callback_refuses_a_single_process_and_other_strategies():
-    _require("lightning")
     import lightning as L
     from lightning.pytorch.strategies import SingleDeviceStrategy
 
@@ -102,8 +93,8 @@ def test_the_lightning_callback_refuses_a_single_process_and_other_strategies():
         gradcomp.lightning.GradcompCallback("topk", ratio=2)  # bad specs fail in the constructor
 
 
+@pytest.mark.needs("accelerate")
 def test_accelerate_register_refuses_a_single_process():
-    _require("accelerate")
     from accelerate.utils import DistributedType
     single = types.SimpleNamespace(num_processes=1, distributed_type=DistributedType.NO)
     with pytest.raises(ValueError, match="single process; launch 2 or more"):
