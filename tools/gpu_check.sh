@@ -39,10 +39,11 @@ if [ $# -ne 1 ] || [ -z "$1" ]; then
 fi
 mkdir -p "$1" || exit 2
 OUT=$(cd "$1" && pwd)
+PYTHON=${PYTHON:-python3}
+case $PYTHON in */*) PYTHON=$(cd "$(dirname "$PYTHON")" && pwd)/$(basename "$PYTHON") ;; esac  # the stages cd
 cd "$(dirname "$0")/.."
 REPO=$(pwd)
 rm -f "$OUT"/gpu_check.{md,json,log} "$OUT"/kernels_cuda.{json,csv,png} "$OUT"/two_phase_ops_cuda.{json,png}
-PYTHON=${PYTHON:-python3}
 WORK=$REPO/build/gpu-check
 SITE=$WORK/site
 mkdir -p "$WORK"
