@@ -73,8 +73,8 @@ def read_stages(work: Path) -> list[dict]:
     for line in lines:
         name, outcome, seconds, note = (line.split("\t") + [""] * 4)[:4]
         stages[name] = {"stage": name, "outcome": outcome, "seconds": int(seconds or 0), "note": note}
-    return [stages.get(name, {"stage": name, "outcome": "not run", "seconds": 0, "note": "the script stopped before it"})
-            for name in STAGES]
+    missing = {"outcome": "not run", "seconds": 0, "note": "the script stopped before it"}
+    return [stages.get(name, {"stage": name, **missing}) for name in STAGES]
 
 
 def read_junit(path: Path) -> dict | None:

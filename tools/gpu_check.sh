@@ -127,6 +127,13 @@ build() {
   fi
   echo "-- ${defines[*]}"
   rm -rf "$SITE"
+  # A build tree made for another Python or torch keeps their settings in its cache: start it afresh.
+  local made_for="$PYTHON torch $torch_version CUDA $torch_cuda"
+  if [ "$(cat "$WORK/build/made-for" 2>/dev/null)" != "$made_for" ]; then
+    rm -rf "$WORK/build"
+    mkdir -p "$WORK/build"
+    echo "$made_for" >"$WORK/build/made-for"
+  fi
   if [ "$torch_cuda" = none ]; then
     # A CPU build of torch: the torch-free CUDA kernels and their tests build, the extension cannot.
     note "torch $torch_version is a CPU build: the CUDA kernels and their GoogleTests were built, not the extension"
@@ -135,7 +142,7 @@ build() {
     return
   fi
   CUDACXX=$nvcc "$PYTHON" -m pip install -q --no-index --no-deps --no-build-isolation --target "$SITE" \
-    -C build-dir="$WORK/build" "${defines[@]/#/-Ccmake.define.}" . || return 1
+    -C build-dir="$WORK/build" "${defines[@]/#/-Ccmake.define.}" -Ccmake.define.GRADCOMP_PYTHON=ON . || return 1
   (cd tests && PYTHONPATH=$SITE "$PYTHON" -c "
 import gradcomp
 assert gradcomp.cuda_built, 'built without CUDA codecs'
