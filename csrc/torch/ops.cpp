@@ -3,6 +3,8 @@
 // current stream of the tensors' device, with no host-device synchronisation except where a
 // caller asks decode_sum to check the payloads there and then (no status tensor given).
 #include <cstdio>
+#include <cstring>
+#include <limits>
 #include <string>
 #include <utility>
 #include <vector>
@@ -248,13 +250,13 @@ void decode_cuda(const at::Tensor& stacked, at::Tensor& out, double alpha, bool 
 }
 #endif
 
-// On the CPU, codec= (when given) must match what the headers say.
+// On the CPU, codec= (when given) must match what the headers say. which: what holds the header, for the message.
 void check_expected_codec(const PayloadHeader& h, std::optional<c10::string_view> codec, int64_t param0,
-                          int64_t param1) {
+                          int64_t param1, const std::string& which = "the payloads are") {
   if (!codec.has_value()) return;
   const Codec id = codec_named(*codec);
   TORCH_CHECK_VALUE(h.codec == static_cast<uint8_t>(id) && h.param0 == param0 && h.param1 == param1,
-                    "gradcomp: cannot decode: the payloads are ", kCodecNames[h.codec], " (param0=", h.param0,
+                    "gradcomp: cannot decode: ", which, " ", kCodecNames[h.codec], " (param0=", h.param0,
                     ", param1=", h.param1, ") but codec=", *codec, " (param0=", param0, ", param1=", param1,
                     ") was expected");
 }
@@ -303,35 +305,91 @@ void decode_sum(const at::Tensor& payloads, at::Tensor& out, double alpha, bool 
 
 // The two-phase scheme's last step: row j of rows [count, width] holds chunk j's payload in its
 // first bytes (the re-encoded chunks, gathered), decoded into chunk j of out (the chunks of
-// encode_chunks). On CUDA without a status tensor, the payload checks of every chunk are read once,
-// at the end.
+// encode_chunks). The rows must carry one random key (seed, step, bucket), as decode_sum's payloads do.
+// On the CPU every row is checked before any chunk is written, and a refusal names the row. On CUDA
+// the checks run on the device (a bad row sets the output to NaN and its problem into status);
+// without a status tensor they are read once, at the end.
 void decode_chunks(const at::Tensor& rows, at::Tensor& out, bool vote, c10::string_view codec,
                    at::IntArrayRef param0s, int64_t param1, const std::optional<at::Tensor>& status) {
   const int64_t count = static_cast<int64_t>(param0s.size());
   TORCH_CHECK_VALUE(rows.dim() == 2 && rows.size(0) == count,
                     "gradcomp: decode_chunks takes one row per chunk: rows of shape [", count, ", bytes], got ",
                     rows.sizes());
+  TORCH_CHECK_VALUE(rows.scalar_type() == at::kByte, "gradcomp: rows must be uint8, got ", rows.scalar_type());
+  TORCH_CHECK_VALUE(rows.device() == out.device(), "gradcomp: rows on ", rows.device(), " but out on ", out.device());
   TORCH_CHECK_VALUE(out.dim() == 1, "gradcomp: decode_chunks writes a flat output, got ", out.dim(), " dimensions");
-  std::optional<at::Tensor> problems = status;
-  if (out.is_cuda() && !status.has_value()) problems = at::zeros({1}, out.options().dtype(at::kInt));
   const DType dtype = wire_dtype(out, "out");
+  std::vector<int64_t> sizes(count);
   for (int64_t j = 0; j < count; ++j) {
     const auto [begin, end] = chunk_range(out.numel(), count, j);
     const PayloadHeader expected = make_header(codec_named(codec), dtype, end - begin, param0s[j], param1, RandomKey{});
     check_header(expected, codec);  // before body_layout, which divides by a block
-    const int64_t size = body_layout(expected).total;
-    TORCH_CHECK_VALUE(size <= rows.size(1), "gradcomp: chunk ", j, "'s payload takes ", size,
+    sizes[j] = body_layout(expected).total;
+    TORCH_CHECK_VALUE(sizes[j] <= rows.size(1), "gradcomp: chunk ", j, "'s payload takes ", sizes[j],
                       " bytes, but the rows hold ", rows.size(1));
-    at::Tensor chunk = out.narrow(0, begin, end - begin);
-    decode_sum(rows[j].narrow(0, 0, size), chunk, 1.0, vote, codec, param0s[j], param1, problems);
   }
+  if (out.is_cuda()) {
+    std::optional<at::Tensor> problems = status;
+    if (!status.has_value()) problems = at::zeros({1}, out.options().dtype(at::kInt));
+    for (int64_t j = 0; j < count; ++j) {
+      const auto [begin, end] = chunk_range(out.numel(), count, j);
+      at::Tensor chunk = out.narrow(0, begin, end - begin);
+      decode_sum(rows[j].narrow(0, 0, sizes[j]), chunk, 1.0, vote, codec, param0s[j], param1, problems);
+    }
 #ifdef GRADCOMP_CUDA_KERNELS
-  if (out.is_cuda() && !status.has_value()) {
-    const auto found = static_cast<uint32_t>(problems->item<int32_t>());
-    TORCH_CHECK_VALUE(found == 0, "gradcomp: cannot decode: ", describe_decode_problems(found),
-                      " (the output was set to NaN)");
-  }
+    // Each decode compared its own row's key; the rows must also agree with row 0 (seed, step and bucket:
+    // the header's last 16 bytes), checked on the device.
+    const at::Tensor keys = rows.narrow(1, kHeaderBytes - 16, 16);
+    const at::Tensor differ = keys.ne(keys.narrow(0, 0, 1)).any();
+    problems->bitwise_or_(differ.to(at::kInt) * static_cast<int32_t>(kHeadersDiffer));
+    out.masked_fill_(differ, std::numeric_limits<float>::quiet_NaN());
+    if (!status.has_value()) {
+      const auto found = static_cast<uint32_t>(problems->item<int32_t>());
+      TORCH_CHECK_VALUE(found == 0, "gradcomp: cannot decode: ", describe_decode_problems(found),
+                        " (the output was set to NaN)");
+    }
 #endif
+    return;
+  }
+  const at::Tensor contiguous = rows.contiguous();
+  const uint8_t* base = contiguous.data_ptr<uint8_t>();
+  PayloadHeader first{};
+  for (int64_t j = 0; j < count; ++j) {
+    const auto [begin, end] = chunk_range(out.numel(), count, j);
+    const uint8_t* row = base + j * contiguous.size(1);
+    const std::string which = "row " + std::to_string(j) + " of " + std::to_string(count);
+    TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(row) % kPayloadAlign == 0, "gradcomp: cannot decode: ", which,
+                      " does not start on a ", kPayloadAlign, "-byte boundary (rows of ", contiguous.size(1),
+                      " bytes)");
+    const std::string problem = validate_payloads(row, 1, sizes[j], end - begin, dtype);
+    TORCH_CHECK_VALUE(problem.empty(), "gradcomp: cannot decode: ", which, " (chunk ", j, "): ", problem,
+                      "; nothing was written");
+    PayloadHeader h;
+    std::memcpy(&h, row, sizeof h);
+    check_expected_codec(h, codec, param0s[j], param1, which + "'s payload is");
+    if (j == 0) first = h;
+    TORCH_CHECK_VALUE(h.seed == first.seed && h.step == first.step && h.bucket == first.bucket,
+                      "gradcomp: cannot decode: ", which, " carries seed ", h.seed, ", step ", h.step, ", bucket ",
+                      h.bucket, " but row 0 seed ", first.seed, ", step ", first.step, ", bucket ", first.bucket,
+                      " (a payload of another step or bucket); nothing was written");
+  }
+  TORCH_CHECK_VALUE(!vote || codec_named(codec) == Codec::SignSGD,
+                    "gradcomp: vote=True applies to signsgd payloads only, not ", codec);
+  TORCH_CHECK_VALUE(out.is_contiguous(), "gradcomp: out must be contiguous (it is written in place)");
+  TORCH_CHECK_VALUE(at::get_overlap_status(out, contiguous) == at::MemOverlapStatus::No,
+                    "gradcomp: out must not share memory with the rows");
+  for (int64_t j = 0; j < count; ++j) {
+    const auto [begin, end] = chunk_range(out.numel(), count, j);
+    DecodeArgs args;
+    args.payloads = base + j * contiguous.size(1);
+    args.count = 1;
+    args.stride = sizes[j];
+    args.out = static_cast<uint8_t*>(out.data_ptr()) + begin * out.element_size();
+    args.alpha = 1.0f;
+    args.vote = vote;
+    args.parallel_for = torch_parallel_for;
+    decode_sum_cpu(args);
+  }
 }
 
 // The two-phase owner's step: average = the sum of alpha times each of its chunk's payloads, then that

@@ -7,14 +7,25 @@ import torch
 
 
 def keep_if_finite(finite: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(state, spare): new becomes the state when finite (a 0-d bool) is true, else old stays.
+    """(state, spare): the state holds new when finite (a 0-d bool) is true, else old's values; the spare is
+    old, untouched: the state before the step, which the hook puts back for a parameter no rank used.
 
-    On the CPU the verdict is read and the buffers swap; on CUDA a device-side select writes the
-    kept values into old, so the host never waits for the GPU."""
+    On the CPU the verdict is read (old's values are copied into new when it is false); on CUDA a
+    device-side select writes the kept values into new, so the host never waits for the GPU."""
     if new.is_cuda:
-        torch.where(finite, new, old, out=old)
-        return old, new
-    return (new, old) if bool(finite) else (old, new)
+        torch.where(finite, new, old, out=new)
+    elif not bool(finite):
+        new.copy_(old)
+    return new, old
+
+
+def idle_elements(idle: torch.Tensor, shapes, numel: int) -> torch.Tensor | None:
+    """A bool per element of a bucket's flat gradient (its parameters' shapes back to back): its parameter's
+    entry of idle. None on the CPU when no parameter is idle (on CUDA that would take a sync to know)."""
+    if not idle.is_cuda and not bool(idle.any()):
+        return None
+    parts = [idle[j].expand(torch.Size(shape).numel()) for j, shape in enumerate(shapes)]
+    return torch.cat(parts) if parts else torch.zeros(numel, dtype=torch.bool, device=idle.device)
 
 
 def check_saved_tensors(tensors, expected: dict, index: int) -> None:

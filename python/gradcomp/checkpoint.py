@@ -9,13 +9,20 @@ every rank's state into one object, and its `load_state_dict()` gives each rank 
     fabric.load(path, {"model": model, "gradcomp": gradcomp.every_rank(state)})
 
 `every_rank(state, directory=DIR)` keeps large states out of the checkpoint instead: each rank
-writes DIR/gradcomp-step{S}-rank{R}.pt and the checkpoint holds only where to find them (DIR must be
-reachable from every rank that may take that rank's place on resume: shared storage across nodes).
+writes DIR/gradcomp-step{S}-rank{R}-{ID}.pt, a new file at every save (ID is drawn per save, so that
+another run in DIR, or a run resumed from an older checkpoint that passes step S again, never
+overwrites the files an earlier checkpoint names), and the checkpoint holds each file's path and
+SHA-256; a file whose contents changed since is refused at load. DIR must be reachable from every rank
+that may take that rank's place on resume (shared storage across nodes); its files accumulate like the
+checkpoints themselves: delete a checkpoint's files with it.
 """
 
 from __future__ import annotations
 
+import hashlib
+import io
 import os
+import uuid
 from typing import Any
 
 import torch
@@ -49,11 +56,15 @@ class EveryRankState:
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         mine = _to_cpu(self.state.state_dict())
         if self.directory is not None:
-            path = os.path.join(self.directory, f"gradcomp-step{self.state.iter}-rank{rank}.pt")
+            buffer = io.BytesIO()
+            torch.save(mine, buffer)
+            data = buffer.getvalue()
+            path = os.path.join(self.directory, f"gradcomp-step{self.state.iter}-rank{rank}-{uuid.uuid4().hex[:12]}.pt")
             os.makedirs(self.directory, exist_ok=True)
-            torch.save(mine, path + ".tmp")
+            with open(path + ".tmp", "wb") as f:
+                f.write(data)
             os.replace(path + ".tmp", path)
-            mine = {"file": path}
+            mine = {"file": path, "sha256": hashlib.sha256(data).hexdigest()}
         everyone: list[Any] = [None] * world
         dist.all_gather_object(everyone, mine, group=group)  # tensors on the CPU: any rank can unpickle them
         return {"format": EVERY_RANK_FORMAT, "gradcomp_every_rank": True, "world_size": world, "ranks": everyone}
@@ -67,11 +78,17 @@ def is_every_rank(saved: Any) -> bool:
 
 
 def every_rank_world_size(saved: dict[str, Any]) -> int:
-    """The number of ranks that saved an every-rank state, once its format is checked."""
+    """The number of ranks that saved an every-rank state, once its format and its list of entries are checked."""
     if saved.get("format") != EVERY_RANK_FORMAT:
         raise ValueError(f"gradcomp: an every-rank state of format {saved.get('format')!r}; this gradcomp reads "
                          f"format {EVERY_RANK_FORMAT}")
-    return saved["world_size"]
+    world, ranks = saved.get("world_size"), saved.get("ranks")
+    if not isinstance(world, int) or not isinstance(ranks, list) or len(ranks) != world:
+        found = f"{len(ranks)} rank entries" if isinstance(ranks, list) else f"ranks of type {type(ranks).__name__}"
+        raise ValueError(f"gradcomp: this every-rank state holds {found} for world_size {world!r}: it is incomplete "
+                         f"or damaged; take another checkpoint with gradcomp.every_rank(state).state_dict(), called "
+                         f"on every rank")
+    return world
 
 
 def this_ranks_entry(saved: dict[str, Any], rank: int | None) -> dict[str, Any]:
@@ -81,11 +98,17 @@ def this_ranks_entry(saved: dict[str, Any], rank: int | None) -> dict[str, Any]:
         raise RuntimeError("gradcomp: an every-rank state is loaded by each rank taking its own entry: load it "
                            "after torch.distributed.init_process_group")
     entry = saved["ranks"][rank]
-    if isinstance(entry, dict) and set(entry) == {"file"}:
+    if isinstance(entry, dict) and set(entry) in ({"file"}, {"file", "sha256"}):  # files without sha256: older saves
         if not os.path.exists(entry["file"]):
             raise FileNotFoundError(f"gradcomp: rank {rank}'s state was saved to {entry['file']}, which this rank "
                                     f"cannot find (per-rank files need storage that every node reaches)")
-        entry = torch.load(entry["file"], map_location="cpu", weights_only=True)
+        with open(entry["file"], "rb") as f:
+            data = f.read()
+        if "sha256" in entry and hashlib.sha256(data).hexdigest() != entry["sha256"]:
+            raise ValueError(f"gradcomp: rank {rank}'s state file {entry['file']} is not what this checkpoint saved "
+                             f"there (it was written over since); load the checkpoint that wrote it, or start from a "
+                             f"fresh CompressionState")
+        entry = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     return entry
 
 

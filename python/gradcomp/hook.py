@@ -44,6 +44,7 @@ import logging
 import threading
 import warnings
 import weakref
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -63,6 +64,30 @@ STATS_KEYS = ("raw_bytes", "wire_bytes", "received_bytes", "encode_s", "decode_s
               "nonfinite_buckets")
 STATE_FORMAT = 1
 _STATS_LOCK = threading.Lock()  # stats are a few additions per bucket: one lock for every state will do
+
+
+@dataclass(frozen=True)
+class BucketLayout:
+    """A bucket as DDP laid it out: its index, its parameters (keys and shapes) and its dtype."""
+
+    index: int
+    keys: tuple
+    shapes: tuple
+    dtype: torch.dtype
+
+    def to_dict(self) -> dict:
+        return {"index": self.index, "keys": list(self.keys), "shapes": [list(s) for s in self.shapes],
+                "dtype": str(self.dtype).removeprefix("torch.")}
+
+    @classmethod
+    def from_dict(cls, saved) -> "BucketLayout":
+        fields = ("index", "keys", "shapes", "dtype")
+        try:
+            return cls(int(saved["index"]), tuple(int(k) for k in saved["keys"]),
+                       tuple(torch.Size(s) for s in saved["shapes"]), _saved_dtype(saved["dtype"]))
+        except (KeyError, TypeError) as error:
+            raise ValueError(f"gradcomp: a saved bucket layout must hold {', '.join(fields)}; got {saved!r} "
+                             f"({error})") from None
 
 
 class PayloadBucket:
@@ -322,8 +347,8 @@ class CompressionState:
     """
 
     __slots__ = ("process_group", "codec", "scheme", "start_iter", "start_codec", "min_bucket_ratio", "log_every",
-                 "iter", "_plans", "_start_plans", "_pool", "_param_keys", "_model", "_verified", "_total", "_last",
-                 "_current", "_warned", "_sequencer", "_checks", "_device_counts")
+                 "iter", "_plans", "_start_plans", "_warmup_layout", "_pool", "_param_keys", "_model", "_ddp",
+                 "_verified", "_total", "_last", "_current", "_warned", "_sequencer", "_checks", "_device_counts")
 
     def __init__(self, spec: str = "topk", *, process_group: dist.ProcessGroup | None = None, scheme: str = "auto",
                  start_iter: int = 2, start_codec: str | None = None, min_bucket_ratio: float = 1.0,
@@ -346,6 +371,9 @@ class CompressionState:
         self.iter = 0
         self._plans: dict[int, Any] = {}  # bucket index -> its plan, an instance of one of schemes.PLANS
         self._start_plans: dict[int, Any] = {}  # the same under the start codec, for steps < start_iter
+        # The buckets as DDP laid them out (once final) in the steps before start_iter: the run's codec starts on
+        # them, so that a run resumed at start_iter, whose fresh DDP starts with other buckets, does as well.
+        self._warmup_layout: dict[int, BucketLayout] = {}
         self._pool: dict[int, dict[str, torch.Tensor]] = {}  # per-parameter state waiting for its new bucket
         self._verified = False
         self._total, self._last, self._current = _empty_stats(), _empty_stats(), _empty_stats()
@@ -358,6 +386,7 @@ class CompressionState:
         """Forgets the model (and the transient helpers): after unpickling, until the state meets its model."""
         self._param_keys: dict[int, int] = {}  # id(parameter) -> its position in model.parameters()
         self._model = None                     # weak reference to that model
+        self._ddp = None                       # weak reference to the DistributedDataParallel around it, if known
         self._sequencer = _Sequencer()
         self._checks = _DecodeChecks()
         self._device_counts = _DeviceCounts()
@@ -378,13 +407,14 @@ class CompressionState:
                 "start_codec": None if self.start_codec is None else self.start_codec.spec(),
                 "min_bucket_ratio": self.min_bucket_ratio, "world_size": world, "wire_format": _ops._C.format_version}
 
-    def bind(self, model: torch.nn.Module) -> None:
+    def bind(self, model: torch.nn.Module, ddp: torch.nn.parallel.DistributedDataParallel | None = None) -> None:
         """Keys this state's parameters by their position in model.parameters() (the module DDP wraps), and
         checks a loaded state against them. gradcomp.register calls it; a hook registered by hand finds its
         DDP model at its first step."""
         params = list(model.parameters())
         self._param_keys = {id(p): i for i, p in enumerate(params)}
         self._model = weakref.ref(model)
+        self._ddp = None if ddp is None else weakref.ref(ddp)
         self._check_against(params)
 
     def _find_ddp(self):
@@ -402,6 +432,9 @@ class CompressionState:
         has not met one, or when the bucket holds parameters of another model (the state moved to a new one)."""
         bound = self._model is not None and self._model() is not None
         if bound and all(id(p) in self._param_keys for p in bucket.parameters()):
+            if self._ddp is None:  # built with model=: its DDP's options matter too (find_unused_parameters)
+                ddp = self._find_ddp()
+                self._ddp = weakref.ref(ddp) if ddp is not None else _no_ddp
             return
         ddp = self._find_ddp()
         if ddp is None:
@@ -410,22 +443,32 @@ class CompressionState:
                                "CompressionState(spec, model=ddp_model.module))")
         if self.process_group is None:
             self.process_group = ddp.process_group
-        self.bind(ddp.module)
+        self.bind(ddp.module, ddp)
 
     def _verify(self) -> None:
-        """All ranks compare their configuration and step: a mismatch raises on every rank, no hang."""
+        """All ranks compare their configuration and step, and the rank and world size their residuals were built
+        on (a pickled state registered elsewhere): a mismatch raises on every rank, no hang."""
         mine = json.dumps({**self.config(), "step": self.iter}, sort_keys=True)
+        built_on = sorted({(p.rank, p.world) for p in self._plans.values() if getattr(p, "world", None) is not None})
         group = self._group()
         everyone: list[Any] = [None] * dist.get_world_size(group)
         try:
-            dist.all_gather_object(everyone, mine, group=group)
+            dist.all_gather_object(everyone, (mine, built_on), group=group)
         except Exception as error:
             raise collective_failure("comparison of the ranks' configuration", self.iter, dist.get_rank(group),
                                      len(everyone), error) from error
-        if len(set(everyone)) > 1:
-            listing = "\n".join(f"  rank {r}: {c}" for r, c in enumerate(everyone))
+        if len({config for config, _ in everyone}) > 1:
+            listing = "\n".join(f"  rank {r}: {config}" for r, (config, _) in enumerate(everyone))
             raise RuntimeError(f"gradcomp: the ranks are configured differently; every rank must register the same "
                                f"codec, parameters and step:\n{listing}")
+        world = len(everyone)
+        elsewhere = [f"rank {r} holds residuals of rank {a} of {w}" for r, (_, held) in enumerate(everyone)
+                     for a, w in held if (a, w) != (r, world)]
+        if elsewhere:
+            raise RuntimeError(f"gradcomp: residuals belong to the rank that built them, and this state was built "
+                               f"elsewhere ({'; '.join(elsewhere)}; this world has {world} ranks): each rank registers "
+                               f"the state it pickled itself (or loads gradcomp.every_rank(state)'s checkpoint); on "
+                               f"another world size, start from a fresh CompressionState")
         self._verified = True
 
     # -- the hook --------------------------------------------------------------------------------------------------
@@ -442,12 +485,20 @@ class CompressionState:
             buffer = bucket.buffer()
             step.add("raw_bytes", ring_allreduce_bytes(buffer.numel() * buffer.element_size(), step.world))
             step.add("buckets", 1)
-            starting = self.iter < self.start_iter
-            if (starting and self.start_codec is None) or not self._compressible(buffer):
+            starting, compressible = self.iter < self.start_iter, self._compressible(buffer)
+            if starting and compressible and self._layout_is_final():
+                self._record_layout(bucket, buffer)
+            if not compressible:
                 future = self._plain(step, buffer)
+            elif starting and self.start_codec is None:
+                future = self._plain_as_recorded(step, bucket, buffer)
             elif starting:
+                self._warn_if_resumed_on_other_buckets(known=self.iter >= 2 and bool(self._start_plans))
                 future = self._compressed(step, bucket, buffer, self._start_plans, self._new_start_plan)
             else:
+                if not self._plans:
+                    self._warn_if_resumed_on_other_buckets(known=bool(self._warmup_layout))
+                    self._first_plans(step, buffer)
                 future = self._compressed(step, bucket, buffer, self._plans, self._new_plan)
             if bucket.is_last():
                 self._sequencer.close()
@@ -461,6 +512,42 @@ class CompressionState:
         if bucket.is_last():
             self._end_step()
         return future
+
+    def _ddp_model(self):
+        return None if self._ddp is None else self._ddp()
+
+    def _layout_is_final(self) -> bool:
+        """Whether DDP's buckets keep their present layout: it lays them out anew once, after its first step (not
+        under find_unused_parameters without static_graph)."""
+        ddp = self._ddp_model()
+        if ddp is None:
+            return False
+        rebuilt = getattr(ddp, "_has_rebuilt_buckets", True)
+        return bool(rebuilt or (ddp.find_unused_parameters and not ddp.static_graph))
+
+    def _record_layout(self, bucket: dist.GradBucket, buffer: torch.Tensor) -> None:
+        keys = tuple(self._param_keys[id(p)] for p in bucket.parameters())
+        for old in _overlapping(self._warmup_layout, bucket.index(), keys):
+            del self._warmup_layout[old]
+        self._warmup_layout[bucket.index()] = BucketLayout(bucket.index(), keys,
+                                                           tuple(g.shape for g in bucket.gradients()), buffer.dtype)
+
+    def _first_plans(self, step: _Step, buffer: torch.Tensor) -> None:
+        """The run's codec's first step: its plans laid out as DDP's buckets were in the steps before (or as a state
+        saved then holds them), so that a fresh DDP's first buckets, laid out otherwise, go as those did."""
+        layout, self._warmup_layout = self._warmup_layout, {}
+        for entry in layout.values():
+            self._new_plan(step, entry.index, entry.keys, entry.shapes, entry.dtype, buffer.device)
+
+    def _warn_if_resumed_on_other_buckets(self, known: bool) -> None:
+        """A compressed step at step 1 or later on a fresh DDP's first buckets (a resumed run), whose layout the
+        uninterrupted run never used and the state does not know (known: it holds the buckets as DDP laid them
+        out for good): the codec's blocks, selections and random streams follow the buckets, so say it."""
+        if not known and self.iter >= 1 and not self._layout_is_final():
+            self._warn_once("layout", f"gradcomp: this run resumed at step {self.iter} from a state saved before DDP "
+                            f"laid its buckets out for good (after step 0), and compresses this step: the first "
+                            f"buckets of a fresh DDP are laid out otherwise, so it trains on, but not bit for bit as "
+                            f"the uninterrupted run (a checkpoint from step 2 on resumes exactly)")
 
     def _compressible(self, buffer: torch.Tensor) -> bool:
         if buffer.layout != torch.strided:
@@ -496,7 +583,7 @@ class CompressionState:
             saved = self._saved_buckets_covering(plans, keys, views, buffer.dtype)
             if saved:
                 return self._launch_saved(step, saved, dict(zip(keys, views)), buffer)
-            plan = new_plan(step, bucket.index(), keys, [v.shape for v in views], buffer)
+            plan = new_plan(step, bucket.index(), keys, [v.shape for v in views], buffer.dtype, buffer.device)
         return self._launch(step, plan, buffer, views)
 
     def _launch(self, step: _Step, plan, flat: torch.Tensor, views) -> torch.futures.Future:
@@ -509,7 +596,32 @@ class CompressionState:
         step.add("received_bytes", received)
         step.add("compressed_buckets", 1)
         step.decode_status = self._checks.word(step.step, flat.device)
-        return plan.launch(step, flat, views)
+        ddp = self._ddp_model()
+        if ddp is None or not ddp.find_unused_parameters:
+            return plan.launch(step, flat, views)
+        counts = self._nonzero_counts(step, views)
+        future = plan.launch(step, flat, views)
+
+        def set_idle_aside(done):
+            bucket_result, counted = done.value()
+            value_or_raise(bucket_result)
+            value_or_raise(counted)
+            plan.set_idle_aside(counts == 0, flat)
+            return flat
+
+        return torch.futures.collect_all([future, step.allreduce(counts)]).then(set_idle_aside)
+
+    @staticmethod
+    def _nonzero_counts(step: _Step, views) -> torch.Tensor:
+        """find_unused_parameters: per parameter of the bucket, 1 where this rank's gradient is not all zero, to be
+        summed over the ranks. DDP leaves the .grad of a parameter that no rank used as it was, so what the codec
+        sends for it would be lost; a parameter whose sum is 0 is set aside instead (plan.set_idle_aside). A few
+        bytes, allreduced right after the bucket's first collective (the same order on every rank), and counted."""
+        counts = torch.stack([v.ne(0).any() for v in views]).to(torch.int32)
+        ring = ring_allreduce_bytes(counts.numel() * counts.element_size(), step.world)
+        step.add("wire_bytes", ring)
+        step.add("received_bytes", ring)
+        return counts
 
     @staticmethod
     def _saved_buckets_covering(saved: dict, keys, views, dtype) -> list:
@@ -523,14 +635,34 @@ class CompressionState:
             return []
         return sorted(plans.values(), key=lambda p: p.index)
 
+    def _plain_as_recorded(self, step: _Step, bucket: dist.GradBucket, buffer: torch.Tensor) -> torch.futures.Future:
+        """A plain step. On a fresh DDP's first buckets (a run resumed during the first steps) as the buckets DDP
+        laid out for good before, when the state recorded them: a ring allreduce sums in an order that follows the
+        tensor's size, so this repeats the uninterrupted run's sums bit for bit at any world size."""
+        if self._warmup_layout and not self._layout_is_final():
+            keys = tuple(self._param_keys[id(p)] for p in bucket.parameters())
+            views = bucket.gradients()
+            parts = self._saved_buckets_covering(self._warmup_layout, keys, views, buffer.dtype)
+            if parts:
+                return self._in_parts(parts, dict(zip(keys, views)), buffer,
+                                      lambda part, flat, views: self._plain(step, flat))
+        return self._plain(step, buffer)
+
     def _launch_saved(self, step: _Step, plans, views_by_key, buffer: torch.Tensor) -> torch.futures.Future:
         """This bucket holds several saved buckets (a fresh DDP's first step): each goes as it was saved."""
+        return self._in_parts(plans, views_by_key, buffer,
+                              lambda plan, flat, views: self._launch(step, plan, flat, views))
+
+    @staticmethod
+    def _in_parts(parts, views_by_key, buffer: torch.Tensor, launch) -> torch.futures.Future:
+        """The bucket as the given parts (plans or layouts, each with keys): launch(part, flat, views) on a flat copy of
+        each part's gradients; the results are copied back into the bucket."""
         futures, copies = [], []
-        for plan in plans:
-            views = [views_by_key[k] for k in plan.keys]
+        for part in parts:
+            views = [views_by_key[k] for k in part.keys]
             flat = torch.cat([v.reshape(-1) for v in views])
-            flat_views = [part.view(v.shape) for part, v in zip(flat.split([v.numel() for v in views]), views)]
-            futures.append(self._launch(step, plan, flat, flat_views))
+            flat_views = [piece.view(v.shape) for piece, v in zip(flat.split([v.numel() for v in views]), views)]
+            futures.append(launch(part, flat, flat_views))
             copies.append((views, flat_views))
 
         def scatter(done):
@@ -552,7 +684,7 @@ class CompressionState:
             return nbytes > plan.payload_bytes() * self.min_bucket_ratio
         return ring_allreduce_bytes(nbytes, step.world) > plan.traffic(step.world, 0)[0] * self.min_bucket_ratio
 
-    def _new_plan(self, step: _Step, index: int, keys, shapes, buffer: torch.Tensor):
+    def _new_plan(self, step: _Step, index: int, keys, shapes, dtype: torch.dtype, device: torch.device):
         """A bucket laid out anew: the old state of its parameters moves over, nothing is misapplied."""
         for old in _overlapping(self._plans, index, keys):
             plan = self._plans.pop(old)
@@ -561,20 +693,20 @@ class CompressionState:
                 logger.warning("gradcomp: bucket %d was laid out anew; the residual of the chunk this rank owned in "
                                "the two-phase scheme (one step's re-compression error) starts again from zero", old)
         numel = sum(torch.Size(s).numel() for s in shapes)
-        plan_type = plan_class(self.codec, self.scheme, numel, buffer.dtype, step.world)
-        plan = plan_type(self.codec, index, keys, shapes, buffer.dtype, buffer.device, world=step.world, rank=step.rank)
+        plan_type = plan_class(self.codec, self.scheme, numel, dtype, step.world)
+        plan = plan_type(self.codec, index, keys, shapes, dtype, device, world=step.world, rank=step.rank)
         plan.take(self._pool)
         self._plans[index] = plan
         return plan
 
-    def _new_start_plan(self, step: _Step, index: int, keys, shapes, buffer: torch.Tensor):
+    def _new_start_plan(self, step: _Step, index: int, keys, shapes, dtype: torch.dtype, device: torch.device):
         """A bucket laid out anew during the start steps: the start codec keeps no state, so the plans it replaces
         are dropped."""
         for old in _overlapping(self._start_plans, index, keys):
             del self._start_plans[old]
-        plan_type = plan_class(self.start_codec, self.scheme, buffer.numel(), buffer.dtype, step.world)
-        plan = plan_type(self.start_codec, index, keys, shapes, buffer.dtype, buffer.device, world=step.world,
-                         rank=step.rank)
+        numel = sum(torch.Size(s).numel() for s in shapes)
+        plan_type = plan_class(self.start_codec, self.scheme, numel, dtype, step.world)
+        plan = plan_type(self.start_codec, index, keys, shapes, dtype, device, world=step.world, rank=step.rank)
         self._start_plans[index] = plan
         return plan
 
@@ -640,6 +772,7 @@ class CompressionState:
             "buckets": [{**layout(p), "tensors": {k: clone(t) for k, t in p.tensors().items()}}
                         for p in self._plans.values()],
             "start_buckets": [layout(p) for p in self._start_plans.values()],
+            "warmup_buckets": [entry.to_dict() for entry in self._warmup_layout.values()],
             "pool": {key: {k: clone(t) for k, t in piece.items()} for key, piece in self._pool.items()},
             "total": dict(self._total),
         }
@@ -662,7 +795,9 @@ class CompressionState:
                              f"(every rank loads the state it saved; where a framework saves rank 0's checkpoint "
                              f"only, save and load gradcomp.every_rank(state), which holds every rank's)")
         plans = {}
-        world, saved_rank = saved_config.get("world_size") or 1, state.get("rank") or 0
+        # Where the saving run's world or rank is unknown (saved without a process group), this one's
+        world = saved_config.get("world_size") or self.config()["world_size"] or 1
+        saved_rank = next(r for r in (state.get("rank"), rank, 0) if r is not None)
         for saved in state["buckets"]:
             plan = self._plan_from_layout(saved, world, saved_rank, self.codec)
             plan.load_tensors(saved["tensors"])
@@ -674,13 +809,17 @@ class CompressionState:
                              f"start_codec={self.config()['start_codec']!r} with start_iter={self.start_iter}")
         for saved in start_buckets:
             start_plans[saved["index"]] = self._plan_from_layout(saved, world, saved_rank, self.start_codec)
+        warmup_layout = {}
+        for saved in state.get("warmup_buckets", []):  # states saved before they were kept have none
+            entry = BucketLayout.from_dict(saved)
+            warmup_layout[entry.index] = entry
         pool = {int(k): dict(v) for k, v in state["pool"].items()}
         for key, piece in pool.items():
             for name, tensor in piece.items():
                 if not isinstance(tensor, torch.Tensor):
                     raise ValueError(f"gradcomp: the saved {name} of parameter {key} is {type(tensor).__name__}, "
                                      f"not a tensor")
-        self._plans, self._pool, self._start_plans = plans, pool, start_plans
+        self._plans, self._pool, self._start_plans, self._warmup_layout = plans, pool, start_plans, warmup_layout
         self.iter = int(state["iter"])
         for plan in plans.values():
             if isinstance(plan, PowerSGDBucket):
@@ -733,7 +872,7 @@ class CompressionState:
                                  f"{len(params)} parameters (0..{len(params) - 1}): was it saved for another model?")
             return params[key]
 
-        for plan in [*self._plans.values(), *self._start_plans.values()]:
+        for plan in [*self._plans.values(), *self._start_plans.values(), *self._warmup_layout.values()]:
             for key, shape in zip(plan.keys, plan.shapes):
                 p = parameter(key, f"bucket {plan.index}'s state")
                 if p.shape != shape or p.dtype != plan.dtype:
@@ -749,20 +888,29 @@ class CompressionState:
 
     def __getstate__(self):
         return {name: getattr(self, name) for name in self.__slots__
-                if name not in ("process_group", "_sequencer", "_checks", "_param_keys", "_model", "_device_counts")}
+                if name not in ("process_group", "_sequencer", "_checks", "_param_keys", "_model", "_ddp",
+                                "_device_counts")}
 
     def __setstate__(self, state):
         self.process_group = None
         self.start_codec, self._start_plans = None, {}  # states pickled before start codecs have neither
+        self._warmup_layout = {}  # nor before the buckets' layout was kept during the first steps
         self._unbind()  # parameters are matched anew when the state meets its model
         for name, value in state.items():
             setattr(self, name, value)
+        self._verified = False  # the ranks it meets compare their configurations, and where its residuals came from
         if "scheme" not in state:  # pickled before there were schemes to choose from
             self.scheme = "auto" if fixed_scheme(self.codec) else AllgatherBucket.scheme
 
 
+def _no_ddp():
+    """The DDP model of a state whose hook runs without one it can find."""
+    return None
+
+
 def _overlapping(plans: dict, index: int, keys) -> list[int]:
-    """The indices of the plans a bucket laid out anew replaces: its own index, and any holding one of its keys."""
+    """The indices of the plans (or layouts) a bucket laid out anew replaces: its own index, and any holding one of
+    its keys."""
     wanted = set(keys)
     return [i for i, plan in plans.items() if i == index or wanted.intersection(plan.keys)]
 

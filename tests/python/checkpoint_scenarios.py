@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 import gradcomp
@@ -29,6 +31,14 @@ def load_every_rank(rank, world, spec, saved):
     except ValueError as error:
         return str(error)
     return None
+
+
+def load_every_rank_state(rank, world, spec, saved):
+    """Loads an every-rank state into a fresh state registered on a fresh model; returns its state_dict."""
+    fresh = gradcomp.CompressionState(spec)
+    gradcomp.register(wrap(make_model()), fresh)
+    gradcomp.every_rank(fresh).load_state_dict(saved)
+    return fresh.state_dict()
 
 
 def this_ranks_state_elsewhere(rank, world, spec, steps):
@@ -62,3 +72,37 @@ def register_through_wrapper(rank, world, steps):
     train(ddp, torch.optim.SGD(model.parameters(), lr=0.1), steps, rank)
     return {"hook_name": ddp._get_ddp_logging_data().get("comm_hook"), "registered": ddp._gradcomp_state is state,
             "compressed": state.stats()["total"]["compressed_buckets"]}
+
+
+def resume_around_start(rank, world, configs, total, workdir, phase):
+    """configs: [(spec, register's options)]. Phase "full": each config trains `total` steps uninterrupted,
+    saving a checkpoint after steps start_iter - 1, start_iter and start_iter + 1; phase "second": fresh
+    processes load each of those checkpoints and train on to `total`. Returns the parameters at the end,
+    {(config index, "full"): [tensors], (config index, step the run resumed at): ([tensors], [warnings])}."""
+    from ddp_scenarios import _resumable
+
+    out = {}
+    for index, (spec, options) in enumerate(configs):
+        start = options.get("start_iter", 2)
+        splits = [split for split in (start - 1, start, start + 1) if split >= 1]
+        path = f"{workdir}/ckpt.{index}.{{}}.rank{rank}.pt"
+        if phase == "full":
+            model, optimizer, state = _resumable((spec, options))
+            for step in range(total):
+                train(model, optimizer, 1, rank, first_step=step)
+                if step + 1 in splits:
+                    torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
+                                "gradcomp": state.state_dict()}, path.format(step + 1))
+            out[(index, "full")] = [p.detach().clone() for p in model.parameters()]
+            continue
+        for split in splits:
+            model, optimizer, state = _resumable((spec, options))
+            checkpoint = torch.load(path.format(split), weights_only=False)
+            model.module.load_state_dict(checkpoint["model"])
+            optimizer.load_state_dict(checkpoint["optimizer"])
+            state.load_state_dict(checkpoint["gradcomp"])
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                train(model, optimizer, total - split, rank, first_step=split)
+            out[(index, split)] = ([p.detach().clone() for p in model.parameters()], [str(w.message) for w in caught])
+    return out

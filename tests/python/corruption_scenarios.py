@@ -4,6 +4,7 @@ loaded unchecked) and the collectives a compressed step issues. See ddp_harness.
 
 from __future__ import annotations
 
+import importlib
 import pickle
 
 import torch
@@ -260,3 +261,53 @@ def no_host_sync(rank, world, specs, steps):
 
 __all__ = ["no_host_sync", "collapsed_q", "nan_column_in_loaded_q", "large_finite_gradients", "pickled_state",
            "subgroup", "tampered_checkpoints", "counted_collectives"]
+
+
+def pickled_elsewhere(rank, world, path, mapping):
+    """A pickled state registered on another rank or world size. Phase 1 (mapping None): 2 ranks train signsgd
+    (the allgather scheme at 2 ranks) and pickle their states to path.rank{r}. Else this rank registers the
+    state pickled by rank mapping[rank] and trains: returns the error, or None."""
+    if mapping is None:
+        model = make_model()
+        ddp = wrap(model)
+        state = gradcomp.register(ddp, "signsgd")
+        train(ddp, torch.optim.SGD(model.parameters(), lr=0.1), 4, rank)
+        with open(f"{path}.rank{rank}", "wb") as f:
+            pickle.dump(state, f)
+        return None
+    with open(f"{path}.rank{mapping[rank]}", "rb") as f:
+        state = pickle.load(f)
+    model = make_model()
+    ddp = wrap(model)
+    gradcomp.register(ddp, state)
+    try:
+        train(ddp, torch.optim.SGD(model.parameters(), lr=0.1), 2, rank, first_step=4)
+    except RuntimeError as error:
+        return str(error)
+    return None
+
+
+def owner_fails(rank, world, failing_owner, steps):
+    """Two-phase signsgd on `world` ranks; at the last step the all-to-all delivers a payload whose header was
+    corrupted in flight to failing_owner, whose re-encode then fails. Returns this rank's error text."""
+    model = make_model()
+    ddp = wrap(model)
+    gradcomp.register(ddp, "signsgd", scheme="two-phase", start_iter=1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    train(ddp, optimizer, steps - 1, rank)
+    step_class = importlib.import_module("gradcomp.hook")._Step  # gradcomp.hook is the hook function
+    original = step_class.all_to_all
+
+    def corrupting(self, out, tensor, out_splits, in_splits):
+        future = original(self, out, tensor, out_splits, in_splits)
+        return future.then(lambda done: (out.view(-1)[:4].zero_(), done.value())[1])
+
+    if rank == failing_owner:
+        step_class.all_to_all = corrupting
+    try:
+        train(ddp, optimizer, 1, rank, first_step=steps - 1)
+    except RuntimeError as error:
+        return str(error)
+    finally:
+        step_class.all_to_all = original
+    return None

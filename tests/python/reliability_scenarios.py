@@ -189,3 +189,68 @@ def load_elsewhere(rank, world, saved):
 
 
 __all__ = ["nonfinite", "fault", "unused_parameters", "memory", "load_elsewhere", "gradients"]
+
+
+class IdleHead(Branchy):
+    """Branchy with a third head that no step uses."""
+
+    def __init__(self):
+        super().__init__()
+        self.idle = nn.Linear(32, CLASSES)
+
+
+def _per_parameter(plan, flat: torch.Tensor, start: int) -> dict:
+    """The part of flat (elements start.. of the bucket's flat gradient) that falls in each parameter of plan,
+    as a tensor of the parameter's size (zeros elsewhere)."""
+    pieces, offset = {}, 0
+    for key, shape in zip(plan.keys, plan.shapes):
+        piece = torch.zeros(shape.numel(), dtype=flat.dtype)
+        lo, hi = max(offset, start), min(offset + shape.numel(), start + flat.numel())
+        if lo < hi:
+            piece[lo - offset: hi - offset] = flat[lo - start: hi - start]
+        pieces[key] = piece
+        offset += shape.numel()
+    return pieces
+
+
+def unused_error_feedback(rank, world, configs, steps):
+    """find_unused_parameters=True on IdleHead (a head unused on every rank at every other step, one unused at
+    every step). configs: {name: (spec, scheme, DDP options, zero_grad's set_to_none)}. Returns per config, by
+    parameter position: this rank's gradient going into the hook at each step, the gradient DDP left in .grad
+    after each backward (zeros for None), and at the end this rank's residual and the two-phase owner residual
+    of the elements this rank owns (zeros where it has none)."""
+    out = {}
+    for name, (spec, scheme, ddp_kwargs, set_to_none) in configs.items():
+        model = IdleHead()
+        ddp = wrap(model, find_unused_parameters=True, **ddp_kwargs)
+        state = gradcomp.CompressionState(spec, scheme=scheme, start_iter=1, min_bucket_ratio=0, model=model)
+        sent: list[dict] = []
+
+        def hook(state, bucket):
+            keys = [state._param_keys[id(p)] for p in bucket.parameters()]
+            sent[-1].update({k: g.detach().clone().reshape(-1) for k, g in zip(keys, bucket.gradients())})
+            return gradcomp.hook(state, bucket)
+
+        ddp.register_comm_hook(state, hook)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.2)
+        applied = []
+        for step in range(steps):
+            sent.append({})
+            x, y = batch(step, 0, rank)
+            nn.functional.cross_entropy(ddp(x, step), y).backward()
+            applied.append([torch.zeros(p.numel()) if p.grad is None else p.grad.detach().clone().reshape(-1)
+                            for p in model.parameters()])
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=set_to_none)
+        residual, owner = {}, {}
+        for plan in state._plans.values():
+            if getattr(plan, "residual", None) is not None:
+                residual.update({k: piece["residual"].reshape(-1).clone() for k, piece in plan.pieces().items()
+                                 if "residual" in piece})
+            if getattr(plan, "owner_residual", None) is not None:
+                owner.update(_per_parameter(plan, plan.owner_residual, plan.bounds[plan.rank][0]))
+        count = len(list(model.parameters()))
+        out[name] = {"sent": [[s.get(k) for k in range(count)] for s in sent], "applied": applied,
+                     "residual": [residual.get(k) for k in range(count)], "owner": [owner.get(k) for k in range(count)],
+                     "compressed": state.stats()["total"]["compressed_buckets"]}
+    return out

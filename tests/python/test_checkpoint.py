@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 
 import pytest
 import torch
@@ -42,7 +43,9 @@ def test_every_rank_state_holds_each_ranks_own_and_each_rank_loads_its_entry(spe
             assert not _same(_residuals(saved["ranks"][0]), _residuals(saved["ranks"][1]))
         else:
             files = [entry["file"] for entry in saved["ranks"]]
-            assert files == [os.path.join(directory, f"gradcomp-step6-rank{r}.pt") for r in range(2)]
+            for rank, file in enumerate(files):  # a new name at every save, so that saves never share a file
+                prefix = os.path.join(directory, f"gradcomp-step6-rank{rank}-")
+                assert re.fullmatch(re.escape(prefix) + "[0-9a-f]{12}\\.pt", file), file
             assert all(os.path.exists(f) for f in files)
 
 
@@ -60,6 +63,29 @@ def test_one_ranks_state_on_another_rank_points_to_every_rank():
     errors = unwrap(run_ranks(scenarios.this_ranks_state_elsewhere, 2, ("topk", 4)))
     assert errors[0] is None
     assert "holds rank 0's residuals; this is rank 1" in errors[1] and "gradcomp.every_rank(state)" in errors[1]
+
+
+def test_every_rank_files_of_another_save_at_the_same_step_are_kept_apart_and_changed_files_refused(tmp_path):
+    """Two runs save every_rank(state, DIR) at the same step into one folder: each checkpoint loads its own
+    residuals. A file written over since its checkpoint was taken is refused, saying what to do."""
+    first = unwrap(run_ranks(scenarios.every_rank_round_trip, 2, ("topk", 6, str(tmp_path))))
+    second = unwrap(run_ranks(scenarios.every_rank_round_trip, 2, ("topk:ratio=0.02", 6, str(tmp_path))))
+    again = unwrap(run_ranks(scenarios.load_every_rank_state, 2, ("topk", first[0]["saved"])))
+    for rank in range(2):
+        assert _same(again[rank], first[rank]["before"]), f"rank {rank} loaded another save's residuals"
+    assert len(list(tmp_path.iterdir())) == 4
+    victim, other = first[0]["saved"]["ranks"][1]["file"], second[0]["saved"]["ranks"][1]["file"]
+    with open(other, "rb") as source, open(victim, "wb") as target:
+        target.write(source.read())
+    errors = unwrap(run_ranks(scenarios.load_every_rank, 2, ("topk", first[0]["saved"])))
+    assert errors[0] is None
+    assert "rank 1's state file" in errors[1] and "is not what this checkpoint saved there" in errors[1], errors[1]
+
+
+def test_an_every_rank_state_missing_an_entry_is_refused():
+    saved = {"format": 1, "gradcomp_every_rank": True, "world_size": 2, "ranks": [{}]}
+    with pytest.raises(ValueError, match="holds 1 rank entries for world_size 2: it is incomplete or damaged"):
+        gradcomp.CompressionState("topk").load_state_dict(saved)
 
 
 def test_every_rank_needs_a_process_group_and_a_state():
@@ -85,3 +111,32 @@ def test_register_says_where_to_call_it_for_each_framework():
         gradcomp.register(torch.nn.Linear(2, 2), "topk")
     for where in ("DistributedDataParallel(model)", "GradcompCallback", "fabric.setup", "gradcomp.accelerate.register"):
         assert where in str(error.value)
+
+
+AROUND_START = [("topk", {"start_iter": 3}), ("signsgd", {"start_iter": 3}), ("powersgd", {"start_iter": 3}),
+                ("topk", {"start_iter": 3, "start_codec": "qsgd:levels=127"}),
+                ("signsgd", {"start_iter": 3, "start_codec": "terngrad"}),
+                ("topk", {"start_iter": 1})]  # resumed at step 1: before DDP's final buckets, and compressed
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_run_resumed_at_start_iter_or_one_step_either_side_repeats_the_uninterrupted_one(world, tmp_path):
+    """A checkpoint after the last plain (or start-codec) step, before the first compressed one, holds the
+    buckets as DDP laid them out for good: the resumed run's first steps, on a fresh DDP's first buckets, go as
+    the uninterrupted run's did (the plain ones too: a ring allreduce sums in an order that follows the size).
+    Also one step earlier and later. 3 ranks: the two-phase scheme. A checkpoint after step 0, before DDP's
+    final buckets, cannot do this when step 1 is compressed: the resumed run says so."""
+    total = 6
+    full = unwrap(run_ranks(scenarios.resume_around_start, world, (AROUND_START, total, str(tmp_path), "full")))
+    resumed = unwrap(run_ranks(scenarios.resume_around_start, world, (AROUND_START, total, str(tmp_path), "second")))
+    differ = []
+    for rank in range(world):
+        for (index, split), (params, warned) in resumed[rank].items():
+            gap = max(float((a - b).abs().max()) for a, b in zip(params, full[rank][(index, "full")]))
+            unknowable = (index, split) == (len(AROUND_START) - 1, 1)
+            if unknowable:
+                assert any("resumed at step 1" in w and "not bit for bit" in w for w in warned), warned
+            elif gap != 0 or warned:
+                differ.append(f"{AROUND_START[index]} resumed at step {split}, rank {rank}: differs by {gap:.3g} "
+                              f"{warned}")
+    assert not differ, "\n".join(differ)

@@ -108,3 +108,43 @@ def test_reencode_sum_checks_its_payloads_before_anything_is_kept():
     with pytest.raises(ValueError, match="cannot decode"):
         codec.reencode_sum(payloads, torch.empty(64), owner, 0.5)
     assert torch.equal(owner, before)
+
+
+def _gathered(codec, numel, world, step=0, bucket=0):
+    grads = _pieces(torch.randn(numel), world)
+    payloads = [codec.encode(g.clone(), None, step=step, bucket=bucket, rank=j) for j, g in enumerate(grads)]
+    rows = torch.zeros(world, max(p.numel() for p in payloads), dtype=torch.uint8)
+    for j, payload in enumerate(payloads):
+        rows[j, : payload.numel()] = payload
+    return rows
+
+
+@pytest.mark.parametrize("spec", ["signsgd", "topk:ratio=0.1", "topk:ratio=0.1,compact=true", "qsgd"])
+def test_decode_chunks_refuses_a_bad_row_by_name_before_writing_anything(spec):
+    codec = gradcomp.codec(spec)
+    numel, world = 1001, 3
+    rows = _gathered(codec, numel, world, step=4, bucket=2)
+    out = torch.full((numel,), 7.0)
+    broken = rows.clone()
+    broken[2, 0] ^= 0xFF  # the last row's magic
+    with pytest.raises(ValueError, match="row 2 of 3 \\(chunk 2\\): payload 0: bad magic.*nothing was written"):
+        codec.decode_chunks(broken, out)
+    assert torch.all(out == 7.0), "chunks before the bad row were written"
+    other_step = rows.clone()
+    other_step[1] = _gathered(codec, numel, world, step=5, bucket=2)[1]  # row 1 from another step
+    with pytest.raises(ValueError, match="row 1 of 3 carries seed 0, step 5, bucket 2 but row 0 seed 0, step 4, "
+                                         "bucket 2"):
+        codec.decode_chunks(other_step, out)
+    other_bucket = rows.clone()
+    other_bucket[2] = _gathered(codec, numel, world, step=4, bucket=3)[2]
+    with pytest.raises(ValueError, match="row 2 of 3 carries .* bucket 3"):
+        codec.decode_chunks(other_bucket, out)
+    assert torch.all(out == 7.0)
+    if codec.name == "topk":  # the middle row's first index out of range (wide), or its first count past k (compact)
+        bad_index = rows.clone()
+        bad_index[1, HEADER_BYTES: HEADER_BYTES + 4] = torch.tensor([255, 255, 255, 127], dtype=torch.uint8)
+        with pytest.raises(ValueError, match="row 1 of 3 \\(chunk 1\\): payload 0: (index 2147483647|the counts)"):
+            codec.decode_chunks(bad_index, out)
+        assert torch.all(out == 7.0)
+    codec.decode_chunks(rows, out)  # the rows as gathered decode
+    assert not torch.any(out == 7.0)

@@ -214,3 +214,25 @@ def test_codec_arguments_are_refused_by_name():
         codec.encode(grad, step=-1)
     with pytest.raises(ValueError, match=r"parameter 'ratio' is given twice in the spec 'topk:ratio=0.1,ratio=0.2'"):
         gradcomp.codec("topk:ratio=0.1,ratio=0.2")
+
+
+def test_a_pickled_state_registered_on_another_rank_or_world_size_is_refused_on_every_rank(tmp_path):
+    """The allgather scheme's plans need no rank to run, so only a check can tell: rank r would train on with
+    rank r+1's residuals, or 3 ranks with 2 ranks' states. Every rank raises, saying what to do."""
+    path = str(tmp_path / "state.pkl")
+    unwrap(run_ranks(scenarios.pickled_elsewhere, 2, (path, None)))
+    assert unwrap(run_ranks(scenarios.pickled_elsewhere, 2, (path, [0, 1]))) == [None, None]  # its own: fine
+    for world, mapping in ((2, [1, 0]), (3, [0, 1, 1])):
+        for error in unwrap(run_ranks(scenarios.pickled_elsewhere, world, (path, mapping))):
+            assert error and "residuals belong to the rank that built them" in error, error
+            assert "each rank registers the state it pickled itself" in error and "fresh CompressionState" in error
+    error = unwrap(run_ranks(scenarios.pickled_elsewhere, 2, (path, [1, 0])))[0]
+    assert "rank 0 holds residuals of rank 1 of 2" in error and "rank 1 holds residuals of rank 0 of 2" in error
+
+
+def test_an_owner_whose_re_encode_fails_is_named_by_the_other_ranks():
+    errors = unwrap(run_ranks(scenarios.owner_fails, 3, (1, 3)))
+    assert "bad magic" in errors[1], errors[1]  # the owner's own error
+    for rank in (0, 2):
+        assert "rank 1, which owns chunk 1 of bucket" in errors[rank] and "could not re-encode it in step 2" in \
+            errors[rank] and "bad magic" in errors[rank], errors[rank]

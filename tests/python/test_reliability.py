@@ -10,6 +10,8 @@ import re
 import pytest
 import torch
 
+import gradcomp
+
 import reliability_scenarios as scenarios
 from ddp_harness import run_ranks, unwrap
 from test_ddp import LOSSLESS, TOLERANCE
@@ -160,3 +162,49 @@ def test_resuming_on_another_world_size_is_refused_with_what_to_do():
     saved = unwrap(run_ranks(ddp_scenarios.state_checks, 2))[0]["saved"]
     error = unwrap(run_ranks(scenarios.load_elsewhere, 1, (saved,)))[0]
     assert error is not None and "world_size: saved 2, now 1" in error and "fresh CompressionState" in error
+
+
+IDLE_SETTINGS = {"": ({}, True), ", bucket views": ({"gradient_as_bucket_view": True}, True),
+                 ", bucket views, zeroed grads": ({"gradient_as_bucket_view": True}, False),
+                 ", zeroed grads": ({}, False)}
+
+
+def test_error_feedback_loses_nothing_for_a_parameter_no_rank_used():
+    """find_unused_parameters=True, 3 ranks. A parameter no rank used at a step receives exactly 0 (its head
+    alternates with the other one; a third head is never used). With error feedback, per element, the sum
+    over the steps of the ranks' mean gradient equals the sum of the gradients DDP left in .grad, plus the
+    ranks' mean residual, plus the two-phase owner's residual: what error feedback sent for a parameter no
+    rank used is not lost, and the head no step uses keeps a residual of zero."""
+    configs = {f"{spec} {scheme}{setting}": (spec, scheme, options, set_to_none)
+               for spec in ("signsgd", "topk:ratio=0.2") for scheme in ("allgather", "two-phase")
+               for setting, (options, set_to_none) in IDLE_SETTINGS.items()}
+    configs.update({f"{spec}{setting}": (spec, "auto", options, set_to_none)
+                    for spec in ("powersgd:rank=1", "randomk:ratio=0.3", "qsgd", "signsgd:error_feedback=false")
+                    for setting, (options, set_to_none) in list(IDLE_SETTINGS.items())[:2]})
+    steps, world = 6, 3
+    results = unwrap(run_ranks(scenarios.unused_error_feedback, world, (configs, steps), timeout=600))
+    names = [name for name, _ in scenarios.IdleHead().named_parameters()]
+    unused_at = {position: (lambda t: t % 2 == 1) if name.startswith("even.") else (lambda t: t % 2 == 0)
+                 if name.startswith("odd.") else (lambda t: True) if name.startswith("idle.") else (lambda t: False)
+                 for position, name in enumerate(names)}
+    lost = []
+    for name, (spec, *_) in configs.items():
+        runs = [result[name] for result in results]
+        assert runs[0]["compressed"] > 0, name
+        for position, parameter in enumerate(names):
+            applied = [runs[0]["applied"][t][position] for t in range(steps)]
+            moved = [t for t in range(steps) if unused_at[position](t) and applied[t].any()]
+            if moved:
+                lost.append(f"{name}: {parameter}, unused on every rank, received a gradient at steps {moved}")
+            if not gradcomp.codec(spec).error_feedback:
+                continue
+            averaged = sum(sum(run["sent"][t][position] for run in runs) / world for t in range(steps))
+            kept = sum(run["residual"][position] for run in runs if run["residual"][position] is not None) / world
+            kept = kept + sum(run["owner"][position] for run in runs if run["owner"][position] is not None)
+            gap = (averaged - sum(applied) - kept).abs()
+            scale = averaged.abs().max() if averaged.numel() else torch.tensor(0.0)
+            if gap.numel() and float(gap.max()) > 1e-5 * max(float(scale), 1.0):
+                lost.append(f"{name}: {parameter} lost {float(gap.max()):.3g} of {float(scale):.3g}")
+            if parameter.startswith("idle.") and torch.as_tensor(kept).any():
+                lost.append(f"{name}: {parameter}, never used, holds a residual")
+    assert not lost, "\n".join(lost)

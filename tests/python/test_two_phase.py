@@ -36,16 +36,19 @@ def runs(request):
 
 
 def test_lossless_settings_equal_plain_ddp(runs):
-    """topk at ratio 1 sends every value: the owners' sums are the plain allreduce's, up to the order of
-    the fp32 additions (odd sizes, and a bucket of 3 elements on 4 ranks, with chunks of none)."""
-    _, results = runs
+    """topk at ratio 1 sends every value: each owner adds the W averaged terms of its chunk in rank order, where
+    gloo's ring adds them in another order. At 2 ranks the two orders are the same sum, bit for bit; from 3
+    ranks on the sums may differ in their last bits (odd sizes, and a bucket of 3 elements on 4 ranks, with
+    chunks of none)."""
+    world, results = runs
+    tolerance = {"rtol": 0, "atol": 0} if world == 2 else {"rtol": 1e-6, "atol": 1e-7}
     for rank_result in results:
         for name, reference in LOSSLESS.items():
             assert rank_result[name]["records"], name
             assert {r["scheme"] for r in rank_result[name]["records"]} == {"two-phase"}
             for step, (got, want) in enumerate(zip(rank_result[name]["grads"], rank_result[reference]["grads"])):
                 for g, w in zip(got, want):
-                    torch.testing.assert_close(g, w, msg=lambda m: f"{name}, step {step}: {m}")
+                    torch.testing.assert_close(g, w, **tolerance, msg=lambda m: f"{name}, step {step}: {m}")
 
 
 def _chunks(flat, world):

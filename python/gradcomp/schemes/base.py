@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .._tensors import check_saved_tensors
+from .._tensors import check_saved_tensors, idle_elements
 
 
 def ring_allreduce_bytes(nbytes: int, world: int) -> int:
@@ -60,6 +60,22 @@ class ResidualPlan:
             yield key, offset, shape.numel()
             offset += shape.numel()
 
+    def set_idle_aside(self, idle: torch.Tensor, flat: torch.Tensor) -> None:
+        """idle: a bool per parameter, true where its gradient was zero on every rank in this step (a parameter
+        that find_unused_parameters found unused everywhere among them, whose .grad DDP then leaves as it is).
+        Such a parameter's average becomes 0 and its residuals what they were before the step: nothing of it was
+        sent. Called once the step's future has completed, when the spares hold the residuals before the step."""
+        mask = idle_elements(idle, self.shapes, self.numel)
+        if mask is None:
+            return
+        flat.masked_fill_(mask, 0)
+        self._restore_residuals(mask)
+
+    def _restore_residuals(self, mask: torch.Tensor) -> None:
+        """The residuals before the step where mask (one bool per element of the bucket) is true."""
+        if self.residual is not None:
+            torch.where(mask, self._spare, self.residual, out=self.residual)
+
     def pieces(self) -> dict:
         if self.residual is None:
             return {}
@@ -96,5 +112,5 @@ class ResidualPlan:
     def __getstate__(self):
         return {**self.__dict__, "_spare": None}
 
-    def __setstate__(self, state):  # states pickled before there were spares have none
-        self.__dict__.update({"_spare": None, "world": 1, "rank": 0, **state})
+    def __setstate__(self, state):  # states pickled before there were spares, or ranks (not known then), have none
+        self.__dict__.update({"_spare": None, "world": None, "rank": None, **state})

@@ -8,7 +8,7 @@ import time
 import torch
 
 from .._futures import value_or_raise
-from .._tensors import check_saved_tensors, keep_if_finite
+from .._tensors import check_saved_tensors, idle_elements, keep_if_finite
 from ..powersgd import PowerSGD
 from .base import ring_allreduce_bytes
 
@@ -179,6 +179,17 @@ class PowerSGDBucket:
                             q_new.device)
         return result.then(value_or_raise)  # result may fail by set_exception(): see value_or_raise
 
+    def set_idle_aside(self, idle: torch.Tensor, flat: torch.Tensor) -> None:
+        """As ResidualPlan.set_idle_aside: a parameter whose gradient was zero on every rank in this step gets an
+        average of 0 and keeps the residual it had before the step (Q, which carries no gradient, moves on)."""
+        mask = idle_elements(idle, self.shapes, self.numel)
+        if mask is None:
+            return
+        flat.masked_fill_(mask, 0)
+        if self.residual is not None and self.groups:
+            matrices = [idle[j].expand(rows * cols) for rows, cols, _, members in self.groups for j in members]
+            torch.where(torch.cat(matrices), self._spare_m, self.residual, out=self.residual)
+
     def pieces(self) -> dict:
         """Per-parameter state (residual and Q views), so that a new bucket layout can take it over."""
         out: dict = {}
@@ -233,5 +244,5 @@ class PowerSGDBucket:
         return {**self.__dict__, "_spare_m": None, "_spare_q": None}
 
     def __setstate__(self, state):  # states pickled before there were spares (or world and rank) have none
-        self.__dict__.update({"_spare_m": None, "_spare_q": None, "world": 1, "rank": 0, **state})
+        self.__dict__.update({"_spare_m": None, "_spare_q": None, "world": None, "rank": None, **state})
         self.__dict__.setdefault("q_numel", self.q.numel())

@@ -52,6 +52,9 @@ def owner_stream(rank: int, world: int) -> int:
 
 
 MAX_WORLD = 65535  # world * world + rank must fit encode's 32-bit rank key
+# What an owner whose re-encode failed sends in place of its chunk's payload, followed by its error: the other ranks
+# then say what failed there, rather than that its row is not a payload.
+OWNER_FAILED = b"gradcomp: owner failed: "
 
 
 def _payload_sizes(codec, numel: int, dtype: torch.dtype, world: int) -> list[int]:
@@ -109,8 +112,13 @@ class TwoPhaseBucket(ResidualPlan):
             value_or_raise(exchanged)
             a, b = self.bounds[rank]
             average = torch.empty(b - a, dtype=self.dtype, device=flat.device)
-            again = codec.reencode_sum(mine, average, owner_work, 1.0 / world, step=step.step, bucket=self.index,
-                                       rank=owner_stream(rank, world), status=step.decode_status)
+            try:
+                again = codec.reencode_sum(mine, average, owner_work, 1.0 / world, step=step.step, bucket=self.index,
+                                           rank=owner_stream(rank, world), status=step.decode_status)
+            except Exception as error:
+                notice = (OWNER_FAILED + str(error).encode(errors="replace"))[: self.width]
+                row[: len(notice)].copy_(torch.frombuffer(bytearray(notice), dtype=torch.uint8))
+                raise
             row[: again.numel()].copy_(again)
             step.add("decode_s", time.perf_counter() - started)
 
@@ -119,6 +127,8 @@ class TwoPhaseBucket(ResidualPlan):
             gathered.value()
             if result.done():  # this rank failed earlier in the step
                 return
+            if not rows.is_cuda:  # on CUDA the device checks report such a row (it is not a payload)
+                self._raise_for_failed_owners(rows, step.step)
             finite = self._all_finite(rows)
             codec.decode_chunks(rows, flat, status=step.decode_status)
             if work is not None:
@@ -134,6 +144,15 @@ class TwoPhaseBucket(ResidualPlan):
                             lambda: step.all_gather(rows, row), decode, result, flat.device)
         return result.then(value_or_raise)  # result may fail by set_exception(): see value_or_raise
 
+    def _raise_for_failed_owners(self, rows: torch.Tensor, step: int) -> None:
+        marker = torch.frombuffer(bytearray(OWNER_FAILED), dtype=torch.uint8)
+        failed = (rows[:, : len(OWNER_FAILED)] == marker).all(dim=1).nonzero().flatten().tolist()
+        if failed:
+            owner = failed[0]
+            said = bytes(rows[owner, len(OWNER_FAILED):].tolist()).rstrip(b"\0").decode(errors="replace")
+            raise RuntimeError(f"gradcomp: rank {owner}, which owns chunk {owner} of bucket {self.index} in the "
+                               f"two-phase scheme, could not re-encode it in step {step}: {said}")
+
     def _all_finite(self, rows: torch.Tensor) -> torch.Tensor:
         """Whether every re-encoded chunk's magnitude fields are finite (rows of equal chunks checked together)."""
         verdicts, j = [], 0
@@ -146,6 +165,12 @@ class TwoPhaseBucket(ResidualPlan):
             verdicts.append(torch.isfinite(fields).all())
             j = end
         return torch.stack(verdicts).all()
+
+    def _restore_residuals(self, mask: torch.Tensor) -> None:
+        super()._restore_residuals(mask)
+        if self.owner_residual is not None:
+            start, end = self.bounds[self.rank]
+            torch.where(mask[start:end], self._owner_spare, self.owner_residual, out=self.owner_residual)
 
     def tensors(self) -> dict:
         return {"residual": self.residual, "owner_residual": self.owner_residual}

@@ -15,7 +15,8 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 
 import gradcomp.accelerate
-from common import CODECS, EPOCHS, STEPS_PER_EPOCH, make_network, make_optimizer, save_weights, train_epochs
+from common import (CODECS, EPOCHS, STEPS_PER_EPOCH, end_process_group, make_network, make_optimizer, save_weights,
+                    train_epochs)
 
 
 def train(out_dir: str, codec: str, name: str, epochs: int, resume: bool = False) -> None:
@@ -47,6 +48,7 @@ def main() -> None:
             train(out_dir, codec, "half", EPOCHS // 2)
         else:
             train(out_dir, codec, "resumed", EPOCHS, resume=True)
+    end_process_group()
 
 
 if __name__ == "__main__":

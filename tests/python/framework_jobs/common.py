@@ -1,11 +1,13 @@
-"""What the framework jobs share: a small classifier, its synthetic data, the codecs under test, and
-how a job writes the weights it ends with (compared bit for bit by test_frameworks.py)."""
+"""What the framework jobs share: a small classifier, its synthetic data, the codecs under test, how a
+job writes the weights it ends with (compared bit for bit by test_frameworks.py), and how it ends."""
 
 from __future__ import annotations
 
+import gc
 import os
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -52,3 +54,12 @@ def train_epochs(model, optimizer, schedule, backward, world: int, rank: int, fi
             backward(loss)
             optimizer.step()
             schedule.step()
+
+
+def end_process_group() -> None:
+    """Destroys the process group while the interpreter is whole, once the objects holding it are collected: torn
+    down with the interpreter, gloo's worker threads can abort the exit ("terminate called without an active
+    exception", an upstream torch issue; see examples/train_ddp.py's end_process_group)."""
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -15,7 +15,8 @@ import sys
 import lightning as L
 
 import gradcomp
-from common import CODECS, EPOCHS, STEPS_PER_EPOCH, make_network, make_optimizer, save_weights, train_epochs
+from common import (CODECS, EPOCHS, STEPS_PER_EPOCH, end_process_group, make_network, make_optimizer, save_weights,
+                    train_epochs)
 
 
 def train(fabric: L.Fabric, out_dir: str, codec: str, name: str, epochs: int, resume: bool = False) -> None:
@@ -50,6 +51,7 @@ def main() -> None:
             train(fabric, out_dir, codec, "half", EPOCHS // 2)
         else:
             train(fabric, out_dir, codec, "resumed", EPOCHS, resume=True)
+    end_process_group()
 
 
 if __name__ == "__main__":
