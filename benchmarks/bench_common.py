@@ -1,5 +1,5 @@
-"""What the benchmark scripts share: the machine a result came from, writing JSON and CSV, and whether
-this process can shape links."""
+"""What the benchmark scripts share: the machine a result came from, writing JSON and CSV, whether this
+process can shape links, and the network namespaces that give each rank or node a link of its own."""
 
 from __future__ import annotations
 
@@ -57,6 +57,28 @@ def run_plan(rank: int, world: int, backend: str, plan: list, run_one, describe,
         dist.destroy_process_group()
 
 
+def namespace_rank_main(args, subnet: str, configs: list, measure_one) -> None:
+    """One rank of a benchmark run inside a network namespace (gloo over eth0, rank 0 at <subnet>.1):
+    measure_one(kind, spec, scheme) for each configuration (label, kind, spec, scheme) that args.configs names;
+    rank 0 writes every rank's results, {label: [per rank]}, to args.rank_out."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://{subnet}.1:{args.port}", rank=args.rank,
+                            world_size=args.world)
+    try:
+        results = {}
+        for label, kind, spec, scheme in configs:
+            if label not in args.configs:
+                continue
+            everyone = [None] * args.world
+            dist.all_gather_object(everyone, measure_one(kind, spec, scheme))
+            results[label] = everyone
+        if args.rank == 0:
+            with open(args.rank_out, "w") as f:
+                json.dump(results, f)
+    finally:
+        dist.destroy_process_group()
+
+
 def write_results(stem: str, report: dict, rows: list[dict]) -> None:
     """stem.json (the whole report) and stem.csv (one line per row)."""
     with open(stem + ".json", "w") as f:
@@ -77,3 +99,61 @@ def shaping_problem() -> str | None:
     if missing:
         return f"{' and '.join(missing)} not found (Debian: apt-get install iproute2)"
     return None
+
+
+class Namespaces:
+    """count network namespaces <prefix>-<i>, each with eth0 = one end of a veth pair whose other end joins one
+    bridge, namespace i at <subnet>.<i+1>; rate: a tc token bucket on both ends of every veth (what the namespace
+    sends and what it receives), or None. Every byte that leaves a namespace crosses its own eth0."""
+
+    def __init__(self, prefix: str, count: int, subnet: str, rate: str | None):
+        self.prefix, self.count, self.subnet, self.rate = f"{prefix}{os.getpid() % 100000}", count, subnet, rate
+        self.bridge = f"{self.prefix}br"
+
+    def namespace(self, i: int) -> str:
+        return f"{self.prefix}-{i}"
+
+    def __enter__(self):
+        run = lambda *cmd: subprocess.run(cmd, check=True)  # noqa: E731
+        try:
+            run("ip", "link", "add", self.bridge, "type", "bridge")
+            run("ip", "link", "set", self.bridge, "up")
+            for i in range(self.count):
+                ns, host_end = self.namespace(i), f"{self.prefix}v{i}"
+                inside = ["ip", "netns", "exec", ns]
+                run("ip", "netns", "add", ns)
+                run("ip", "link", "add", host_end, "type", "veth", "peer", "name", "eth0", "netns", ns)
+                run("ip", "link", "set", host_end, "master", self.bridge, "up")
+                run(*inside, "ip", "addr", "add", f"{self.subnet}.{i + 1}/24", "dev", "eth0")
+                run(*inside, "ip", "link", "set", "eth0", "up")
+                run(*inside, "ip", "link", "set", "lo", "up")
+                if self.rate:
+                    shape = ["root", "tbf", "rate", self.rate, "burst", "128kb", "latency", "100ms"]
+                    run(*inside, "tc", "qdisc", "add", "dev", "eth0", *shape)  # what the namespace sends
+                    run("tc", "qdisc", "add", "dev", host_end, *shape)  # what it receives
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *_):
+        for i in range(self.count):  # the veth pair first: a namespace's deletion frees it only later
+            subprocess.run(["ip", "link", "del", f"{self.prefix}v{i}"], check=False, stderr=subprocess.DEVNULL)
+            subprocess.run(["ip", "netns", "del", self.namespace(i)], check=False, stderr=subprocess.DEVNULL)
+        subprocess.run(["ip", "link", "del", self.bridge], check=False, stderr=subprocess.DEVNULL)
+
+
+def run_rank_commands(commands: list[list[str]], environment: dict, out_path: str, timeout: float, what: str) -> dict:
+    """Starts every rank's command (each inside its namespace), waits for all (killing those left past timeout),
+    and returns the JSON that rank 0 wrote to out_path; a failed rank is a RuntimeError naming what ran."""
+    processes = [subprocess.Popen(command, env=environment) for command in commands]
+    try:
+        codes = [p.wait(timeout=timeout) for p in processes]
+    finally:
+        for p in processes:
+            if p.poll() is None:
+                p.kill()
+    if any(codes):
+        raise RuntimeError(f"{what}: exit codes {codes}")
+    with open(out_path) as f:
+        return json.load(f)

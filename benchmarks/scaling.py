@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -42,7 +41,8 @@ import gradcomp
 
 sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)),
                 os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")]
-from bench_common import machine, shaping_problem, write_results  # noqa: E402
+from bench_common import (Namespaces, machine, namespace_rank_main, run_rank_commands, shaping_problem,  # noqa: E402
+                          write_results)
 from train_ddp import finish_spawned_rank  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -77,14 +77,21 @@ def counters() -> tuple[int, int]:
     return read("tx_bytes"), read("rx_bytes")
 
 
-def measure(rank: int, world: int, kind: str, spec: str | None, scheme: str | None, args) -> dict:
+STATS_KEYS = ("wire_bytes", "received_bytes", "raw_bytes")
+
+
+def measure(rank: int, kind: str, spec: str | None, scheme: str | None, args, options: dict | None = None,
+            stats_keys=STATS_KEYS) -> dict:
+    """One configuration on this rank: the bytes its namespace's eth0 sent and received per step (the per-step
+    barriers' bytes taken out), its median step time, and per step the stats_keys of gradcomp's stats (options:
+    more of register's options)."""
     model = make_model()
     ddp = DistributedDataParallel(model)
     state = None
     if kind == "limit":
         ddp.register_comm_hook(None, no_communication)
     elif kind == "gradcomp":
-        state = gradcomp.register(ddp, spec, scheme=scheme)
+        state = gradcomp.register(ddp, spec, scheme=scheme, **(options or {}))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     generator = torch.Generator().manual_seed(rank)
     x, y = torch.randn(8, 256, generator=generator), torch.randint(0, 10, (8,), generator=generator)
@@ -119,7 +126,7 @@ def measure(rank: int, world: int, kind: str, spec: str | None, scheme: str | No
               "median_s": statistics.median(times)}
     if state is not None:
         result.update({key + "_per_step": (stats_after["total"][key] - stats_before[key]) / args.steps
-                       for key in ("wire_bytes", "received_bytes", "raw_bytes")})
+                       for key in stats_keys})
         result["schemes"] = stats_after["schemes"]
         result["bucket_numels"] = sorted(plan.numel for plan in state._plans.values())
     return result
@@ -127,89 +134,22 @@ def measure(rank: int, world: int, kind: str, spec: str | None, scheme: str | No
 
 def rank_main(args) -> None:
     """One rank, inside its namespace: every configuration in turn; rank 0 writes what all measured."""
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://{SUBNET}.1:{args.port}", rank=args.rank,
-                            world_size=args.world)
-    try:
-        results = {}
-        for label, kind, spec, scheme in CONFIGS:
-            if label not in args.configs:
-                continue
-            mine = measure(args.rank, args.world, kind, spec, scheme, args)
-            everyone = [None] * args.world
-            dist.all_gather_object(everyone, mine)
-            results[label] = everyone
-        if args.rank == 0:
-            with open(args.rank_out, "w") as f:
-                json.dump(results, f)
-    finally:
-        dist.destroy_process_group()
+    namespace_rank_main(args, SUBNET, CONFIGS,
+                        lambda kind, spec, scheme: measure(args.rank, kind, spec, scheme, args))
 
 
 # -- the namespaces ----------------------------------------------------------------------------------------------------
 
-class Links:
-    """W namespaces gcs<pid>-<r>, each with eth0 = one end of a veth pair whose other end joins one bridge;
-    rank r at 10.78.0.<r+1>. rate: a tc token bucket on both ends of every veth, or None."""
-
-    def __init__(self, world: int, rate: str | None):
-        self.prefix, self.world, self.rate = f"gcs{os.getpid() % 100000}", world, rate
-        self.bridge = f"{self.prefix}br"
-
-    def namespace(self, rank: int) -> str:
-        return f"{self.prefix}-{rank}"
-
-    def __enter__(self):
-        run = lambda *cmd: subprocess.run(cmd, check=True)  # noqa: E731
-        try:
-            run("ip", "link", "add", self.bridge, "type", "bridge")
-            run("ip", "link", "set", self.bridge, "up")
-            for rank in range(self.world):
-                ns, host_end = self.namespace(rank), f"{self.prefix}v{rank}"
-                inside = ["ip", "netns", "exec", ns]
-                run("ip", "netns", "add", ns)
-                run("ip", "link", "add", host_end, "type", "veth", "peer", "name", "eth0", "netns", ns)
-                run("ip", "link", "set", host_end, "master", self.bridge, "up")
-                run(*inside, "ip", "addr", "add", f"{SUBNET}.{rank + 1}/24", "dev", "eth0")
-                run(*inside, "ip", "link", "set", "eth0", "up")
-                run(*inside, "ip", "link", "set", "lo", "up")
-                if self.rate:
-                    shape = ["root", "tbf", "rate", self.rate, "burst", "128kb", "latency", "100ms"]
-                    run(*inside, "tc", "qdisc", "add", "dev", "eth0", *shape)  # what the rank sends
-                    run("tc", "qdisc", "add", "dev", host_end, *shape)  # what it receives
-        except BaseException:
-            self.__exit__()
-            raise
-        return self
-
-    def __exit__(self, *_):
-        for rank in range(self.world):  # the veth pair first: a namespace's deletion frees it only later
-            subprocess.run(["ip", "link", "del", f"{self.prefix}v{rank}"], check=False, stderr=subprocess.DEVNULL)
-            subprocess.run(["ip", "netns", "del", self.namespace(rank)], check=False, stderr=subprocess.DEVNULL)
-        subprocess.run(["ip", "link", "del", self.bridge], check=False, stderr=subprocess.DEVNULL)
-
-
 def run_world(args, world: int, rate: str | None, configs: list[str]) -> dict:
     """Every configuration on world ranks, each in its own namespace: {label: [each rank's result]}."""
-    with tempfile.TemporaryDirectory() as tmp, Links(world, rate) as links:
+    with tempfile.TemporaryDirectory() as tmp, Namespaces("gcs", world, SUBNET, rate) as links:
         out = os.path.join(tmp, "result.json")
         environment = {**os.environ, "GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1"}
-        processes = []
-        for rank in range(world):
-            command = ["ip", "netns", "exec", links.namespace(rank), sys.executable, os.path.abspath(__file__),
-                       "--rank", str(rank), "--world", str(world), "--port", "29400", "--rank-out", out,
-                       "--steps", str(args.steps), "--warmup", str(args.warmup), "--configs", *configs]
-            processes.append(subprocess.Popen(command, env=environment))
-        try:
-            codes = [p.wait(timeout=args.timeout) for p in processes]
-        finally:
-            for p in processes:
-                if p.poll() is None:
-                    p.kill()
-        if any(codes):
-            raise RuntimeError(f"{world} ranks ({rate or 'unshaped'}): exit codes {codes}")
-        with open(out) as f:
-            return json.load(f)
+        commands = [["ip", "netns", "exec", links.namespace(rank), sys.executable, os.path.abspath(__file__),
+                     "--rank", str(rank), "--world", str(world), "--port", "29400", "--rank-out", out,
+                     "--steps", str(args.steps), "--warmup", str(args.warmup), "--configs", *configs]
+                    for rank in range(world)]
+        return run_rank_commands(commands, environment, out, args.timeout, f"{world} ranks ({rate or 'unshaped'})")
 
 
 # -- the report --------------------------------------------------------------------------------------------------------

@@ -15,7 +15,9 @@ One bucket, one step:
     allgather or two-phase (signsgd, terngrad, qsgd, topk; the state's scheme option, by default
         the one that sends fewer bytes at this world size): all-gather the payloads and decode-and-sum
         them, or send chunks to their owners, which re-encode the chunk's average for an all-gather;
-    powersgd: per tensor, P then Q allreduced.
+    powersgd: per tensor, P then Q allreduced;
+    hierarchical (where the ranks form several nodes of several ranks): a reduce-scatter inside the node, the
+        codec's flat exchange of this rank's shard between nodes, an all-gather inside the node.
 Everything is asynchronous: collectives return futures and the next stage runs in a callback.
 
 Stats count the bytes this rank sends and receives under each bucket's scheme (plain allreduce as a
@@ -53,14 +55,16 @@ import torch.distributed as dist
 from . import _ops
 from ._futures import value_or_raise
 from ._tensors import check_tensor
+from . import nodes as node_layout
 from .checkpoint import every_rank_world_size, is_every_rank, this_ranks_entry
 from .codecs import codec as make_codec
 from .powersgd import PowerSGD
-from .schemes import (GATHERED, PLANS, AllgatherBucket, AllreduceBucket, PowerSGDBucket, check_scheme, fixed_scheme,
-                      plan_class, ring_allreduce_bytes)
+from .schemes import (GATHERED, PLANS, AllgatherBucket, AllreduceBucket, HierarchicalBucket, PowerSGDBucket,
+                      check_scheme, fixed_scheme, make_plan, plan_class, ring_allreduce_bytes, takes_hierarchical)
 
 logger = logging.getLogger("gradcomp")
-STATS_KEYS = ("raw_bytes", "wire_bytes", "received_bytes", "encode_s", "decode_s", "buckets", "compressed_buckets",
+STATS_KEYS = ("raw_bytes", "wire_bytes", "received_bytes", "node_link_bytes", "node_link_raw_bytes", "encode_s",
+              "decode_s", "buckets", "compressed_buckets",
               "nonfinite_buckets")
 STATE_FORMAT = 1
 _STATS_LOCK = threading.Lock()  # stats are a few additions per bucket: one lock for every state will do
@@ -107,19 +111,21 @@ class _Sequencer:
     happens to finish on this rank. So each such collective takes a ticket when its bucket is
     launched (in bucket order, on the thread that calls the hook). When the step's last bucket has
     been launched, close() waits until every ticket's collective is ready to go (its P has arrived)
-    and issues them in ticket order, on the hook's thread, before DDP's next collective.
+    and issues them in ticket order, on the hook's thread, before DDP's next collective. A chain of
+    several such collectives (the hierarchical scheme's all-gather inside the node, after the exchange
+    between nodes that itself ends in one) takes tickets of later rounds: close() issues round by round.
     """
 
     def __init__(self):
         self._ready: dict[int, Any] = {}
-        self._results: list[torch.futures.Future] = []
+        self._tickets: list[tuple[int, torch.futures.Future]] = []  # (round, the result it completes)
         self._abandoned = False
         self._condition = threading.Condition()
 
-    def ticket(self, result: torch.futures.Future) -> int:
-        """A place in the order for the collective that will complete result."""
-        self._results.append(result)
-        return len(self._results) - 1
+    def ticket(self, result: torch.futures.Future, round_: int = 1) -> int:
+        """A place in the order, in round round_, for the collective that will complete result."""
+        self._tickets.append((round_, result))
+        return len(self._tickets) - 1
 
     def submit(self, ticket: int, launch) -> None:
         """launch() issues the collective; it must handle its own errors. Called exactly once per ticket
@@ -130,11 +136,15 @@ class _Sequencer:
                 self._condition.notify_all()
 
     def close(self) -> None:
-        with self._condition:
-            self._condition.wait_for(lambda: self._abandoned or len(self._ready) == len(self._results))
-            launches = [self._ready.pop(t) for t in range(len(self._results)) if t in self._ready]
-        for launch in launches:
-            launch()
+        for round_ in sorted({r for r, _ in self._tickets}):
+            tickets = [t for t, (r, _) in enumerate(self._tickets) if r == round_]
+            with self._condition:
+                self._condition.wait_for(lambda: self._abandoned or all(t in self._ready for t in tickets))
+                if self._abandoned:
+                    return
+                launches = [self._ready.pop(t) for t in tickets]
+            for launch in launches:
+                launch()
 
     def abandon(self, error: BaseException) -> None:
         """A bucket failed on this rank mid-step: no more of the step's collectives start here (they could
@@ -143,7 +153,7 @@ class _Sequencer:
             self._abandoned = True
             self._ready.clear()
             self._condition.notify_all()
-        for result in self._results:
+        for _, result in self._tickets:
             try:
                 result.set_exception(error)
             except RuntimeError:  # completed meanwhile
@@ -154,19 +164,56 @@ class _Step:
     """What a bucket needs for one step: the group, this rank, the step, its stats and collectives."""
 
     __slots__ = ("group", "world", "rank", "step", "record", "total", "sequencer", "stats_lock", "decode_status",
-                 "device_counters", "nonfinite_on_device")
+                 "device_counters", "nonfinite_on_device", "nodes", "counts_nonfinite")
 
-    def __init__(self, group, world, rank, step, record, total, sequencer, stats_lock, device_counters):
+    def __init__(self, group, world, rank, step, record, total, sequencer, stats_lock, device_counters, nodes=None):
         self.group, self.world, self.rank, self.step, self.record, self.total = group, world, rank, step, record, total
         self.sequencer, self.stats_lock = sequencer, stats_lock
         self.decode_status = None  # CUDA: the step's device status word for the payload checks
         self.device_counters = device_counters  # CUDA: the step's non-finite bucket counts on the device
         self.nonfinite_on_device = None
+        self.nodes = nodes  # the node layout and its groups (gradcomp.nodes.NodeLayout), where there is one
+        self.counts_nonfinite = True
+
+    def on(self, group, world: int, rank: int) -> "_Step":
+        """The same step in another group (the hierarchical scheme's levels), with the same stats and sequencer;
+        the bucket's own step counts its non-finite verdict."""
+        step = _Step(group, world, rank, self.step, self.record, self.total, self.sequencer, self.stats_lock,
+                     self.device_counters, self.nodes)
+        step.decode_status, step.counts_nonfinite = self.decode_status, False
+        return step
 
     def add(self, key: str, value: float) -> None:
         with self.stats_lock:  # callbacks add from the collectives' threads
             self.record[key] += value
             self.total[key] += value
+
+    def add_plain_ddp_bytes(self, nbytes: int) -> None:
+        """What plain DDP's ring allreduce of a bucket of nbytes sends: this rank's, and its node's across its link
+        (once per ring step: the node's last rank sends to the next node's first)."""
+        ring = ring_allreduce_bytes(nbytes, self.world)
+        self.add("raw_bytes", ring)
+        if self.nodes is not None and self.nodes.nodes > 1:
+            self.add("node_link_raw_bytes", ring)
+
+    def add_ring_bytes(self, nbytes: int) -> None:
+        """What this rank sends and receives in a ring allreduce of nbytes (and its node across its link)."""
+        ring = ring_allreduce_bytes(nbytes, self.world)
+        self.add("wire_bytes", ring)
+        self.add("received_bytes", ring)
+        if self.nodes is not None and self.nodes.nodes > 1:
+            self.add("node_link_bytes", ring)
+
+    def add_plan_bytes(self, plan) -> None:
+        """What a plan's scheme sends and receives, this rank's, and its node's across its link (every rank of the
+        node counts what they all send: the same figure on each)."""
+        sent, received = plan.traffic(self.world, self.rank)
+        self.add("wire_bytes", sent)
+        self.add("received_bytes", received)
+        if self.nodes is not None:
+            first = self.nodes.node * self.nodes.node_size
+            self.add("node_link_bytes", sum(plan.traffic_across(self.world, r, self.nodes)
+                                            for r in range(first, first + self.nodes.node_size)))
 
     def allreduce(self, tensor: torch.Tensor) -> torch.futures.Future:
         return self._explained(dist.all_reduce(tensor, group=self.group, async_op=True).get_future(), "allreduce")
@@ -175,12 +222,23 @@ class _Step:
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         return self._explained(gather(out.view(-1), tensor, group=self.group, async_op=True).get_future(), "all-gather")
 
+    def reduce_scatter_now(self, out: torch.Tensor, tensor: torch.Tensor) -> None:
+        """A reduce-scatter, waited for here: on NCCL the current stream waits for it, not the host; on gloo (whose
+        reduce-scatter has no future) the host does."""
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        try:
+            scatter(out, tensor, group=self.group, async_op=True).wait()
+        except Exception as error:
+            raise self._failure("reduce-scatter", error) from error
+
     def all_to_all(self, out: torch.Tensor, tensor: torch.Tensor, out_splits, in_splits) -> torch.futures.Future:
         work = dist.all_to_all_single(out.view(-1), tensor, out_splits, in_splits, group=self.group, async_op=True)
         return self._explained(work.get_future(), "all-to-all")
 
     def count_nonfinite(self, finite: torch.Tensor) -> None:
         """Counts a bucket whose data was not finite: at once on the CPU, on the device on CUDA (read by stats())."""
+        if not self.counts_nonfinite:
+            return
         if not finite.is_cuda:
             if not bool(finite):
                 self.add("nonfinite_buckets", 1)
@@ -210,7 +268,8 @@ class _Step:
     def new_future(device: torch.device) -> torch.futures.Future:
         return torch.futures.Future(devices=[device]) if device.type == "cuda" else torch.futures.Future()
 
-    def chain_in_order(self, first, prepare, second, callback, result: torch.futures.Future, device) -> None:
+    def chain_in_order(self, first, prepare, second, callback, result: torch.futures.Future, device,
+                       round_: int = 1) -> None:
         """A bucket's two dependent collectives (PowerSGD's P then Q, two-phase's all-to-all then all-gather).
 
         first() issues the first collective now; when it completes, prepare(done) runs on its callback
@@ -218,7 +277,7 @@ class _Step:
         rank: so second() is issued by the step's sequencer, in bucket order on the hook's thread, after
         the CUDA work prepare queued on device. callback(done) runs when it completes. Any error ends in
         result; second() is issued even after one, so that the other ranks are not left waiting."""
-        ticket = self.sequencer.ticket(result)
+        ticket = self.sequencer.ticket(result, round_)
         ready = []  # on CUDA: an event after prepare, which ran on another thread and stream
 
         def issue():
@@ -347,12 +406,14 @@ class CompressionState:
     """
 
     __slots__ = ("process_group", "codec", "scheme", "start_iter", "start_codec", "min_bucket_ratio", "log_every",
-                 "iter", "_plans", "_start_plans", "_warmup_layout", "_pool", "_param_keys", "_model", "_ddp",
-                 "_verified", "_total", "_last", "_current", "_warned", "_sequencer", "_checks", "_device_counts")
+                 "node_size", "iter", "_plans", "_start_plans", "_warmup_layout", "_pool", "_param_keys", "_model",
+                 "_ddp", "_nodes", "_verified", "_total", "_last", "_current", "_warned", "_sequencer", "_checks",
+                 "_device_counts")
 
     def __init__(self, spec: str = "topk", *, process_group: dist.ProcessGroup | None = None, scheme: str = "auto",
                  start_iter: int = 2, start_codec: str | None = None, min_bucket_ratio: float = 1.0,
-                 log_every: int = 0, model: torch.nn.Module | None = None, **codec_params: Any):
+                 log_every: int = 0, node_size: int | None = None, model: torch.nn.Module | None = None,
+                 **codec_params: Any):
         for name, value in (("start_iter", start_iter), ("log_every", log_every)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"gradcomp: {name}={value!r} must be an integer >= 0")
@@ -368,6 +429,7 @@ class CompressionState:
         self.start_codec = None if start_codec is None else _stateless_start_codec(start_codec, start_iter)
         self.process_group = process_group
         self.start_iter, self.min_bucket_ratio, self.log_every = start_iter, float(min_bucket_ratio), log_every
+        self.node_size = node_layout.check_node_size(node_size)
         self.iter = 0
         self._plans: dict[int, Any] = {}  # bucket index -> its plan, an instance of one of schemes.PLANS
         self._start_plans: dict[int, Any] = {}  # the same under the start codec, for steps < start_iter
@@ -387,6 +449,7 @@ class CompressionState:
         self._param_keys: dict[int, int] = {}  # id(parameter) -> its position in model.parameters()
         self._model = None                     # weak reference to that model
         self._ddp = None                       # weak reference to the DistributedDataParallel around it, if known
+        self._nodes = None                     # the node layout and its groups, where the scheme has two levels
         self._sequencer = _Sequencer()
         self._checks = _DecodeChecks()
         self._device_counts = _DeviceCounts()
@@ -403,9 +466,11 @@ class CompressionState:
     def config(self) -> dict[str, Any]:
         """What every rank must agree on (compared at the first step) and what a checkpoint must match."""
         world = dist.get_world_size(self._group()) if dist.is_initialized() else None
-        return {"codec": self.spec, "scheme": fixed_scheme(self.codec) or self.scheme, "start_iter": self.start_iter,
+        scheme = self.scheme if self.scheme in ("hierarchical", "flat") else fixed_scheme(self.codec) or self.scheme
+        return {"codec": self.spec, "scheme": scheme, "start_iter": self.start_iter,
                 "start_codec": None if self.start_codec is None else self.start_codec.spec(),
-                "min_bucket_ratio": self.min_bucket_ratio, "world_size": world, "wire_format": _ops._C.format_version}
+                "min_bucket_ratio": self.min_bucket_ratio, "node_size": self.node_size, "world_size": world,
+                "wire_format": _ops._C.format_version}
 
     def bind(self, model: torch.nn.Module, ddp: torch.nn.parallel.DistributedDataParallel | None = None) -> None:
         """Keys this state's parameters by their position in model.parameters() (the module DDP wraps), and
@@ -453,23 +518,56 @@ class CompressionState:
         group = self._group()
         everyone: list[Any] = [None] * dist.get_world_size(group)
         try:
-            dist.all_gather_object(everyone, (mine, built_on), group=group)
+            dist.all_gather_object(everyone, (mine, built_on, node_layout.facts()), group=group)
         except Exception as error:
             raise collective_failure("comparison of the ranks' configuration", self.iter, dist.get_rank(group),
                                      len(everyone), error) from error
-        if len({config for config, _ in everyone}) > 1:
-            listing = "\n".join(f"  rank {r}: {config}" for r, (config, _) in enumerate(everyone))
+        if len({config for config, _, _ in everyone}) > 1:
+            listing = "\n".join(f"  rank {r}: {config}" for r, (config, _, _) in enumerate(everyone))
             raise RuntimeError(f"gradcomp: the ranks are configured differently; every rank must register the same "
                                f"codec, parameters and step:\n{listing}")
         world = len(everyone)
-        elsewhere = [f"rank {r} holds residuals of rank {a} of {w}" for r, (_, held) in enumerate(everyone)
+        elsewhere = [f"rank {r} holds residuals of rank {a} of {w}" for r, (_, held, _) in enumerate(everyone)
                      for a, w in held if (a, w) != (r, world)]
         if elsewhere:
             raise RuntimeError(f"gradcomp: residuals belong to the rank that built them, and this state was built "
                                f"elsewhere ({'; '.join(elsewhere)}; this world has {world} ranks): each rank registers "
                                f"the state it pickled itself (or loads gradcomp.every_rank(state)'s checkpoint); on "
                                f"another world size, start from a fresh CompressionState")
+        self._lay_out_nodes(group, [facts for _, _, facts in everyone])
         self._verified = True
+
+    def _lay_out_nodes(self, group, gathered: list[dict[str, Any]]) -> None:
+        """The node layout, for the stats of what crosses each node's link, and the groups of the hierarchical
+        scheme where it may be taken; called on every rank at once (the same facts give the same layout). The
+        hierarchical scheme falls back to the flat ones, saying why where it was asked for (or the nodes are
+        unequal)."""
+        world = len(gathered)
+        asked = self.scheme == "hierarchical" or self.node_size is not None
+        if self._nodes is not None or world == 1:
+            return
+        if group is not dist.group.WORLD and world != dist.get_world_size():
+            if asked:
+                self._warn_once("nodes", "gradcomp: node layouts, and so the hierarchical scheme, need DDP on the "
+                                "default process group; this one runs on a subgroup: its buckets take the flat schemes")
+            return
+        size, found_by = node_layout.find_node_size(world, self.node_size, gathered)
+        if size is None:
+            self._warn_once("nodes", f"gradcomp: no layout of equal nodes: {found_by}; the buckets take the flat "
+                            f"schemes")
+            return
+        layout = node_layout.NodeLayout(world, size, dist.get_rank(group), found_by)
+        hierarchical = takes_hierarchical(self.codec) and self.scheme in ("auto", "hierarchical")
+        if hierarchical and layout.two_levels:
+            layout.create_groups()
+        elif hierarchical and asked:
+            self._warn_once("nodes", f"gradcomp: the hierarchical scheme falls back to the flat schemes: "
+                            f"{layout.describe()}, and it needs several nodes of several ranks")
+        held = {p.node_size for p in self._plans.values() if isinstance(p, HierarchicalBucket)}
+        if held - ({size} if layout.inside is not None else set()):
+            raise RuntimeError(f"gradcomp: this state's hierarchical buckets were laid out for nodes of "
+                               f"{sorted(held)} ranks; this run has {layout.describe()}")
+        self._nodes = layout
 
     # -- the hook --------------------------------------------------------------------------------------------------
 
@@ -481,9 +579,9 @@ class CompressionState:
             self._checks.poll(self.iter)
             group = self._group()
             step = _Step(group, dist.get_world_size(group), dist.get_rank(group), self.iter, self._current,
-                         self._total, self._sequencer, _STATS_LOCK, self._device_counts.current)
+                         self._total, self._sequencer, _STATS_LOCK, self._device_counts.current, self._nodes)
             buffer = bucket.buffer()
-            step.add("raw_bytes", ring_allreduce_bytes(buffer.numel() * buffer.element_size(), step.world))
+            step.add_plain_ddp_bytes(buffer.numel() * buffer.element_size())
             step.add("buckets", 1)
             starting, compressible = self.iter < self.start_iter, self._compressible(buffer)
             if starting and compressible and self._layout_is_final():
@@ -565,9 +663,7 @@ class CompressionState:
 
     @staticmethod
     def _plain(step: _Step, tensor: torch.Tensor) -> torch.futures.Future:
-        ring = ring_allreduce_bytes(tensor.numel() * tensor.element_size(), step.world)
-        step.add("wire_bytes", ring)
-        step.add("received_bytes", ring)
+        step.add_ring_bytes(tensor.numel() * tensor.element_size())
         tensor.div_(step.world)
         return step.allreduce(tensor).then(lambda done: value_or_raise(done)[0])
 
@@ -591,9 +687,7 @@ class CompressionState:
             return self._plain(step, flat)
         if plan.device is not None and plan.device != flat.device:  # a loaded checkpoint, kept on the CPU
             plan.to(flat.device)
-        sent, received = plan.traffic(step.world, step.rank)
-        step.add("wire_bytes", sent)
-        step.add("received_bytes", received)
+        step.add_plan_bytes(plan)
         step.add("compressed_buckets", 1)
         step.decode_status = self._checks.word(step.step, flat.device)
         ddp = self._ddp_model()
@@ -618,9 +712,7 @@ class CompressionState:
         sends for it would be lost; a parameter whose sum is 0 is set aside instead (plan.set_idle_aside). A few
         bytes, allreduced right after the bucket's first collective (the same order on every rank), and counted."""
         counts = torch.stack([v.ne(0).any() for v in views]).to(torch.int32)
-        ring = ring_allreduce_bytes(counts.numel() * counts.element_size(), step.world)
-        step.add("wire_bytes", ring)
-        step.add("received_bytes", ring)
+        step.add_ring_bytes(counts.numel() * counts.element_size())
         return counts
 
     @staticmethod
@@ -682,19 +774,20 @@ class CompressionState:
         nbytes = flat.numel() * flat.element_size()
         if step.world == 1:
             return nbytes > plan.payload_bytes() * self.min_bucket_ratio
-        return ring_allreduce_bytes(nbytes, step.world) > plan.traffic(step.world, 0)[0] * self.min_bucket_ratio
+        plain = ring_allreduce_bytes(nbytes, step.world)
+        weighed = getattr(plan, "weighed_bytes", None)  # the hierarchical scheme weighs what crosses the nodes' links
+        plain, sent = weighed(step.world, plain) if weighed else (plain, plan.traffic(step.world, 0)[0])
+        return plain > sent * self.min_bucket_ratio
 
     def _new_plan(self, step: _Step, index: int, keys, shapes, dtype: torch.dtype, device: torch.device):
         """A bucket laid out anew: the old state of its parameters moves over, nothing is misapplied."""
         for old in _overlapping(self._plans, index, keys):
             plan = self._plans.pop(old)
             self._pool.update(plan.pieces())
-            if getattr(plan, "owner_residual", None) is not None:
-                logger.warning("gradcomp: bucket %d was laid out anew; the residual of the chunk this rank owned in "
-                               "the two-phase scheme (one step's re-compression error) starts again from zero", old)
-        numel = sum(torch.Size(s).numel() for s in shapes)
-        plan_type = plan_class(self.codec, self.scheme, numel, dtype, step.world)
-        plan = plan_type(self.codec, index, keys, shapes, dtype, device, world=step.world, rank=step.rank)
+            loss = getattr(plan, "relayout_loss", None)  # state that covers parts of parameters
+            if loss and any(t is not None for t in plan.tensors().values()):
+                logger.warning("gradcomp: bucket %d was laid out anew; %s starts again from zero", old, loss)
+        plan = self._make_plan(self.codec, step, index, keys, shapes, dtype, device)
         plan.take(self._pool)
         self._plans[index] = plan
         return plan
@@ -704,11 +797,16 @@ class CompressionState:
         are dropped."""
         for old in _overlapping(self._start_plans, index, keys):
             del self._start_plans[old]
-        numel = sum(torch.Size(s).numel() for s in shapes)
-        plan_type = plan_class(self.start_codec, self.scheme, numel, dtype, step.world)
-        plan = plan_type(self.start_codec, index, keys, shapes, dtype, device, world=step.world, rank=step.rank)
+        plan = self._make_plan(self.start_codec, step, index, keys, shapes, dtype, device)
         self._start_plans[index] = plan
         return plan
+
+    def _make_plan(self, codec, step: _Step, index: int, keys, shapes, dtype: torch.dtype, device: torch.device):
+        numel = sum(torch.Size(s).numel() for s in shapes)
+        grouped = self._nodes if self._nodes is not None and self._nodes.inside is not None else None
+        plan_type = plan_class(codec, self.scheme, numel, dtype, step.world, grouped)
+        return make_plan(plan_type, codec, index, keys, shapes, dtype, device, world=step.world, rank=step.rank,
+                         node_size=None if grouped is None else grouped.node_size)
 
     def _end_step(self) -> None:
         self.iter += 1
@@ -729,11 +827,16 @@ class CompressionState:
         codec)}, "last": the last finished step, "total": since the start}. "last" and "total" hold the bytes
         this rank sent ("wire_bytes") and received under each bucket's scheme; "raw_bytes", what plain DDP's
         ring allreduce would have sent (2(W-1)/W of each bucket); "ratio" = raw / wire, the saving against plain
-        DDP at this world size; encode and decode seconds; buckets, compressed buckets and non-finite buckets."""
+        DDP at this world size; "node_link_bytes" and "node_link_raw_bytes", what this rank's node sends across its
+        link under gradcomp and under plain DDP (0 on one node), and "node_link_ratio" between them (the saving
+        where the link between nodes is the slow one: "ratio" counts the full-precision bytes inside a node of the
+        hierarchical scheme too); encode and decode seconds; buckets, compressed buckets and non-finite buckets."""
 
         def with_ratio(stats, device_nonfinite):
             stats = {**stats, "nonfinite_buckets": stats["nonfinite_buckets"] + device_nonfinite}
-            return {**stats, "ratio": stats["raw_bytes"] / stats["wire_bytes"] if stats["wire_bytes"] else 1.0}
+            link = stats["node_link_bytes"]
+            return {**stats, "ratio": stats["raw_bytes"] / stats["wire_bytes"] if stats["wire_bytes"] else 1.0,
+                    "node_link_ratio": stats["node_link_raw_bytes"] / link if link else 1.0}
 
         counts = self._device_counts
         schemes: dict[str, int] = {}
@@ -765,7 +868,8 @@ class CompressionState:
 
         def layout(p):
             return {"index": p.index, "keys": list(p.keys), "shapes": [list(s) for s in p.shapes],
-                    "dtype": str(p.dtype).removeprefix("torch."), "scheme": p.scheme}
+                    "dtype": str(p.dtype).removeprefix("torch."), "scheme": p.scheme,
+                    **({"node_size": p.node_size} if isinstance(p, HierarchicalBucket) else {})}
 
         return {
             "format": STATE_FORMAT, "config": self.config(), "rank": rank, "iter": self.iter,
@@ -851,14 +955,16 @@ class CompressionState:
         """A plan on the CPU under codec (the run's or the start codec) for a saved bucket's layout (state_dict's
         "buckets" and "start_buckets" entries); its tensors are the caller's to load."""
         plan_type = self._saved_plan_type(saved.get("scheme", self._scheme_before_schemes()), codec)
-        return plan_type(codec, saved["index"], saved["keys"], saved["shapes"], _saved_dtype(saved["dtype"]), "cpu",
-                         world=world, rank=rank)
+        return make_plan(plan_type, codec, saved["index"], saved["keys"], saved["shapes"], _saved_dtype(saved["dtype"]),
+                         "cpu", world=world, rank=rank, node_size=saved.get("node_size"))
 
     @staticmethod
     def _saved_plan_type(scheme, codec) -> type:
         """The plan class of a saved bucket's scheme, refused where codec does not travel by it."""
         fixed = fixed_scheme(codec)
         allowed = [fixed] if fixed else [plan.scheme for plan in GATHERED]
+        if takes_hierarchical(codec):
+            allowed.append(HierarchicalBucket.scheme)
         if scheme not in allowed:
             raise ValueError(f"gradcomp: the state holds a bucket of scheme {scheme!r}; {codec.name} travels by "
                              f"{' or '.join(allowed)}")
@@ -894,6 +1000,7 @@ class CompressionState:
     def __setstate__(self, state):
         self.process_group = None
         self.start_codec, self._start_plans = None, {}  # states pickled before start codecs have neither
+        self.node_size = None  # nor before nodes
         self._warmup_layout = {}  # nor before the buckets' layout was kept during the first steps
         self._unbind()  # parameters are matched anew when the state meets its model
         for name, value in state.items():
@@ -991,7 +1098,7 @@ def find_ddp(model) -> torch.nn.parallel.DistributedDataParallel:
 def register(ddp_model: torch.nn.Module, spec: "str | CompressionState" = "topk", *,
              process_group: dist.ProcessGroup | None = None, scheme: str = "auto", start_iter: int = 2,
              start_codec: str | None = None, min_bucket_ratio: float = 1.0, log_every: int = 0,
-             **codec_params: Any) -> CompressionState:
+             node_size: int | None = None, **codec_params: Any) -> CompressionState:
     """Registers codec `spec` as ddp_model's communication hook; returns its state (for stats and checkpoints).
 
     ddp_model: a DistributedDataParallel model, or what a framework hands out around one (Fabric's module,
@@ -1003,8 +1110,11 @@ def register(ddp_model: torch.nn.Module, spec: "str | CompressionState" = "topk"
     process_group: the group to communicate in; by default the one DDP was built with.
     scheme: how signsgd, terngrad, qsgd and topk payloads travel: "allgather" (every rank's payload to
         every rank: W-1 payloads sent per rank), "two-phase" (chunks to their owners, re-encoded averages
-        back: about 2 payloads per rank at any W), or "auto" (the default): per bucket, the one that sends
-        fewer bytes at this world size. Other codecs have one scheme and take only "auto".
+        back: about 2 payloads per rank at any W), "hierarchical" (full precision inside each node, the
+        codec's exchange of a 1/L shard between nodes: every codec but powersgd), or "auto" (the default):
+        hierarchical where the ranks form several nodes of several ranks, else per bucket the flat scheme
+        that sends fewer bytes at this world size; "flat" is auto without the hierarchical scheme. Other codecs
+        take "auto", "flat" or "hierarchical".
     start_iter: steps of plain allreduce first (past DDP's bucket rebuild after step 0). Under AdamW a few % of
         the run's steps: much of what a codec costs there arises in the first steps.
     start_codec: a codec spec for those first steps in place of plain allreduce, one that keeps no state
@@ -1012,6 +1122,8 @@ def register(ddp_model: torch.nn.Module, spec: "str | CompressionState" = "topk"
         and terngrad), e.g. "qsgd:levels=127", about 4x smaller than plain. It travels by `scheme` too.
     min_bucket_ratio: a bucket is compressed only when raw bytes > this x its bytes on the wire.
     log_every: log the cumulative stats to the "gradcomp" logger every N steps (0: never).
+    node_size: the ranks per node (ranks n*L .. n*L+L-1 share node n), for the hierarchical scheme; by default
+        torchrun's LOCAL_WORLD_SIZE, else the ranks' host names. Given, it also emulates nodes on one machine.
     """
     ddp_model = find_ddp(ddp_model)
     if isinstance(getattr(ddp_model, "_gradcomp_state", None), CompressionState):
@@ -1020,8 +1132,8 @@ def register(ddp_model: torch.nn.Module, spec: "str | CompressionState" = "topk"
     group = process_group if process_group is not None else ddp_model.process_group
     if isinstance(spec, CompressionState):
         options = {"scheme": (scheme, "auto"), "start_iter": (start_iter, 2), "start_codec": (start_codec, None),
-                   "min_bucket_ratio": (min_bucket_ratio, 1.0),
-                   "log_every": (log_every, 0), **{k: (v, None) for k, v in codec_params.items()}}
+                   "min_bucket_ratio": (min_bucket_ratio, 1.0), "log_every": (log_every, 0),
+                   "node_size": (node_size, None), **{k: (v, None) for k, v in codec_params.items()}}
         given = [k for k, (value, default) in options.items() if value != default]
         if given:
             raise ValueError(f"gradcomp.register: options ({', '.join(given)}) go with a spec, not with a "
@@ -1029,11 +1141,11 @@ def register(ddp_model: torch.nn.Module, spec: "str | CompressionState" = "topk"
         state = spec
         if process_group is not None or state.process_group is None:
             state.process_group = group
-        state.bind(ddp_model.module)
     else:
         state = CompressionState(spec, process_group=group, scheme=scheme, start_iter=start_iter,
                                  start_codec=start_codec, min_bucket_ratio=min_bucket_ratio, log_every=log_every,
-                                 model=ddp_model.module, **codec_params)
+                                 node_size=node_size, **codec_params)
+    state.bind(ddp_model.module, ddp_model)
     ddp_model.register_comm_hook(state, hook)
     ddp_model._gradcomp_state = state
     return state

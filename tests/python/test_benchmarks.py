@@ -80,7 +80,7 @@ def test_network_tiny_mode(tmp_path):
     assert (tmp_path / "network_tiny.png").read_bytes()[:8] == PNG_MAGIC
 
 
-@pytest.mark.parametrize("script", ["network.py", "scaling.py"])
+@pytest.mark.parametrize("script", ["network.py", "scaling.py", "hierarchical.py"])
 def test_network_benchmarks_without_root_explain_and_exit_cleanly(script, tmp_path, monkeypatch, capsys):
     benchmark = load_benchmark(script)
     monkeypatch.setattr(benchmark.os, "geteuid", lambda: 1000)
@@ -110,6 +110,25 @@ def test_scaling_quick_mode_counts_the_bytes_each_rank_sends(tmp_path):
     assert {m["world"] for m in report["model"]} == {64, 128, 256, 512, 1024}
     assert (tmp_path / "scaling_quick.png").read_bytes()[:8] == PNG_MAGIC
 
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a namespace and a link per node need root (the no-root path is above)")
+def test_hierarchical_quick_mode_counts_the_bytes_each_node_sends(tmp_path):
+    out = run_script(BENCHMARKS / "hierarchical.py", "--quick", "--out", tmp_path)
+    report = json.loads((tmp_path / "hierarchical_quick.json").read_text())
+    rows = {(row["link"], row["config"]): row for row in report["rows"]}
+    assert {(row["nodes"], row["node_size"]) for row in report["rows"]} == {(2, 2)}, out
+    plain = rows[("unshaped", "plain DDP")]
+    ring = 2 * 3 * report["gradient_bytes"] / 4  # plain DDP's ring crosses each node's link once per ring step
+    assert ring < plain["node_tx_bytes_per_step"] < 1.15 * ring
+    for spec in ("signsgd", "topk:ratio=0.01"):
+        flat, hierarchical = rows[("unshaped", f"{spec} flat")], rows[("unshaped", f"{spec} hierarchical")]
+        for row in (flat, hierarchical):
+            assert 0.9 < row["tx_vs_stats"] < 1.1, row  # the kernel's counters agree with the stats
+        assert hierarchical["schemes"] == {"hierarchical": 2} and "hierarchical" not in flat["schemes"]
+        assert hierarchical["saving_vs_plain_measured"] > 1.5 * flat["saving_vs_plain_measured"], (flat, hierarchical)
+        assert rows[("1gbit", f"{spec} hierarchical")]["vs_limit"] > 1
+    assert (tmp_path / "hierarchical_quick.png").read_bytes()[:8] == PNG_MAGIC
 
 
 def test_two_phase_ops_quick_mode(tmp_path):

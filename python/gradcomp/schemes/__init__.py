@@ -7,10 +7,14 @@ small interface (base.ResidualPlan's docstring).
 | allgather | signsgd, terngrad, qsgd, topk   | (W-1) x the payload                       |
 | two-phase | signsgd, terngrad, qsgd, topk   | about 2(W-1)/W x the payload + 2(W-1) headers |
 | powersgd  | powersgd                        | 2(W-1)/W x (P + Q)                        |
+| hierarchical | all but powersgd             | across nodes: the codec's exchange of a 1/L shard (a node: one  |
+|           |                                 | flat exchange of the bucket on N ranks); inside: full precision |
 
 For the codecs that can go either way, scheme="auto" (the default) picks per bucket the scheme that
 sends fewer bytes at this world size: allgather at 2 ranks, two-phase from 3 on, except for buckets so
-small that W chunk headers outweigh the saving.
+small that W chunk headers outweigh the saving; and the hierarchical scheme wherever the ranks form more
+than one node of more than one rank (gradcomp.nodes): it always sends fewer bytes across nodes.
+scheme="flat" is auto without the hierarchical scheme.
 """
 
 from __future__ import annotations
@@ -21,15 +25,18 @@ from ..powersgd import PowerSGD
 from .allgather import AllgatherBucket
 from .allreduce import AllreduceBucket
 from .base import ring_allreduce_bytes
+from .hierarchical import HierarchicalBucket
 from .powersgd import PowerSGDBucket
 from .two_phase import TwoPhaseBucket
 
-SCHEME_OPTIONS = ("auto", "allgather", "two-phase")
-PLANS = {plan.scheme: plan for plan in (AllreduceBucket, AllgatherBucket, TwoPhaseBucket, PowerSGDBucket)}
+SCHEME_OPTIONS = ("auto", "allgather", "two-phase", "hierarchical", "flat")
+PLANS = {plan.scheme: plan for plan in (AllreduceBucket, AllgatherBucket, TwoPhaseBucket, PowerSGDBucket,
+                                        HierarchicalBucket)}
 GATHERED = (AllgatherBucket, TwoPhaseBucket)  # the schemes of the codecs whose payloads cannot be summed
 
-__all__ = ["AllgatherBucket", "AllreduceBucket", "GATHERED", "PLANS", "PowerSGDBucket", "SCHEME_OPTIONS", "TwoPhaseBucket",
-           "check_scheme", "fixed_scheme", "plan_class", "ring_allreduce_bytes"]
+__all__ = ["AllgatherBucket", "AllreduceBucket", "GATHERED", "HierarchicalBucket", "PLANS", "PowerSGDBucket",
+           "SCHEME_OPTIONS", "TwoPhaseBucket", "check_scheme", "fixed_scheme", "make_plan", "plan_class",
+           "ring_allreduce_bytes", "takes_hierarchical"]
 
 
 def fixed_scheme(codec) -> str | None:
@@ -39,18 +46,32 @@ def fixed_scheme(codec) -> str | None:
     return AllreduceBucket.scheme if codec.collective == "allreduce" else None
 
 
+def takes_hierarchical(codec) -> bool:
+    """Whether the codec can travel by the hierarchical scheme: every codec that speaks the wire format (powersgd's
+    matrices do not split into shards of elements)."""
+    return not isinstance(codec, PowerSGD)
+
+
 def check_scheme(codec, scheme) -> str:
     if scheme not in SCHEME_OPTIONS:
         raise ValueError(f"gradcomp: scheme={scheme!r}; valid: {', '.join(map(repr, SCHEME_OPTIONS))}")
+    if scheme == "hierarchical" and not takes_hierarchical(codec):
+        raise ValueError("gradcomp: scheme='hierarchical' takes every codec but powersgd, whose matrices do not "
+                         "split into the shards of elements it sends between nodes; leave powersgd's scheme 'auto'")
     fixed = fixed_scheme(codec)
-    if fixed is not None and scheme != "auto":
+    if fixed is not None and scheme not in ("auto", "hierarchical", "flat"):
         raise ValueError(f"gradcomp: {codec.name} travels by {fixed}; scheme={scheme!r} applies to signsgd, "
-                         f"terngrad, qsgd and topk (leave it 'auto')")
+                         f"terngrad, qsgd and topk (leave it 'auto', or give 'flat' or 'hierarchical')")
     return scheme
 
 
-def plan_class(codec, scheme: str, numel: int, dtype: torch.dtype, world: int) -> type:
-    """The plan a bucket of numel elements takes under scheme at this world size (the same on every rank)."""
+def plan_class(codec, scheme: str, numel: int, dtype: torch.dtype, world: int, nodes=None) -> type:
+    """The plan a bucket of numel elements takes under scheme at this world size (the same on every rank). nodes:
+    the node layout (gradcomp.nodes.NodeLayout) where the ranks form several nodes of several ranks, else None."""
+    if nodes is not None and scheme in ("auto", "hierarchical") and takes_hierarchical(codec):
+        return HierarchicalBucket
+    if scheme in ("hierarchical", "flat"):  # the flat scheme auto takes without several nodes of several ranks
+        scheme = "auto"
     fixed = fixed_scheme(codec)
     if fixed is not None:
         return PLANS[fixed]
@@ -58,3 +79,10 @@ def plan_class(codec, scheme: str, numel: int, dtype: torch.dtype, world: int) -
         return PLANS[scheme]
     gather, two_phase = (plan.expected_sent(codec, numel, dtype, world) for plan in GATHERED)
     return TwoPhaseBucket if two_phase < gather else AllgatherBucket
+
+
+def make_plan(plan_type: type, codec, index: int, keys, shapes, dtype: torch.dtype, device, *, world: int, rank: int,
+              node_size: int | None = None):
+    """A plan of plan_type; the hierarchical scheme's also takes the ranks per node."""
+    extra = {"node_size": node_size} if plan_type is HierarchicalBucket else {}
+    return plan_type(codec, index, keys, shapes, dtype, device, world=world, rank=rank, **extra)

@@ -14,6 +14,12 @@ def ring_allreduce_bytes(nbytes: int, world: int) -> int:
     return 2 * (world - 1) * nbytes // world if world > 1 else 0
 
 
+def ring_crosses(rank: int, world: int, nodes) -> bool:
+    """Whether rank's successor in a ring over the world's ranks (rank + 1, as gloo's rings go) is on another node
+    (nodes: gradcomp.nodes.NodeLayout): then all that rank sends in a ring collective crosses its node's link."""
+    return nodes.nodes > 1 and (rank + 1) % nodes.node_size == 0
+
+
 def copy_into_spare(state: torch.Tensor | None, spare: torch.Tensor | None) -> torch.Tensor | None:
     """spare, holding a copy of state for a step to update (allocated anew when missing or on another
     device); None when there is no state."""
@@ -30,6 +36,7 @@ class ResidualPlan:
 
     The interface every scheme's plan offers the hook:
         traffic(world, rank) -> (bytes sent, bytes received) by this rank per step;
+        traffic_across(world, rank, nodes) -> the bytes of those that cross this rank's node's link;
         expected_sent(codec, numel, dtype, world) -> the same for any rank (the scheme choice);
         launch(step, flat, views) -> a Future that completes with flat holding the averaged gradient;
         pieces() / take(pool), tensors() / load_tensors(), spares(), piece_layout(), to(device): state.
@@ -60,6 +67,10 @@ class ResidualPlan:
             yield key, offset, shape.numel()
             offset += shape.numel()
 
+    def traffic_across(self, world: int, rank: int, nodes) -> int:
+        """Bytes this rank sends across its node's link per step: under a ring collective, all or nothing."""
+        return self.traffic(world, rank)[0] if ring_crosses(rank, world, nodes) else 0
+
     def set_idle_aside(self, idle: torch.Tensor, flat: torch.Tensor) -> None:
         """idle: a bool per parameter, true where its gradient was zero on every rank in this step (a parameter
         that find_unused_parameters found unused everywhere among them, whose .grad DDP then leaves as it is).
@@ -69,12 +80,27 @@ class ResidualPlan:
         if mask is None:
             return
         flat.masked_fill_(mask, 0)
-        self._restore_residuals(mask)
+        self.restore_residuals(mask)
 
-    def _restore_residuals(self, mask: torch.Tensor) -> None:
+    def _states(self) -> list:
+        """(state, the same before the step, the bucket's elements it covers) of each residual it keeps."""
+        return [(self.residual, self._spare, slice(None))]
+
+    def restore_residuals(self, mask: torch.Tensor) -> None:
         """The residuals before the step where mask (one bool per element of the bucket) is true."""
-        if self.residual is not None:
-            torch.where(mask, self._spare, self.residual, out=self.residual)
+        for state, before, span in self._states():
+            if state is not None:
+                torch.where(mask[span], before, state, out=state)
+
+    def revert_unless(self, finite: torch.Tensor) -> None:
+        """Every residual back to before the step unless finite (a 0-d bool; on CUDA selected on the device)."""
+        for state, before, _ in self._states():
+            if state is None:
+                continue
+            if state.is_cuda:
+                torch.where(finite, state, before, out=state)
+            elif not bool(finite):
+                state.copy_(before)
 
     def pieces(self) -> dict:
         if self.residual is None:

@@ -10,7 +10,7 @@ import torch
 from .._futures import value_or_raise
 from .._tensors import check_saved_tensors, idle_elements, keep_if_finite
 from ..powersgd import PowerSGD
-from .base import ring_allreduce_bytes
+from .base import ring_allreduce_bytes, ring_crosses
 
 
 def _grouped_offsets(groups, size_of):
@@ -78,6 +78,9 @@ class PowerSGDBucket:
 
     def payload_bytes(self) -> int:
         return 4 * (self.p_numel + self.whole_numel + self.q_numel)
+
+    def traffic_across(self, world: int, rank: int, nodes) -> int:
+        return self.traffic(world, rank)[0] if ring_crosses(rank, world, nodes) else 0
 
     def _block(self, flat: torch.Tensor, offsets, g: int, a: int, b: int) -> torch.Tensor:
         members = self.groups[g][3]

@@ -38,7 +38,7 @@ import torch
 from .._futures import value_or_raise
 from ..codecs import chunk_bounds
 from .._tensors import keep_if_finite
-from .base import ResidualPlan, copy_into_spare
+from .base import ResidualPlan, copy_into_spare, ring_crosses
 
 
 def chunk_stream(rank: int, chunk: int, world: int) -> int:
@@ -63,6 +63,9 @@ def _payload_sizes(codec, numel: int, dtype: torch.dtype, world: int) -> list[in
 
 class TwoPhaseBucket(ResidualPlan):
     scheme = "two-phase"
+    # What a new bucket layout cannot take over: the owner's residual covers a chunk, not whole parameters.
+    relayout_loss = ("the residual of the chunk this rank owned in the two-phase scheme (one step's re-compression "
+                     "error)")
 
     def __init__(self, codec, index, keys, shapes, dtype, device, *, world: int = 1, rank: int = 0):
         if not 1 <= world <= MAX_WORLD:
@@ -88,6 +91,13 @@ class TwoPhaseBucket(ResidualPlan):
         sent = self.total_size - self.sizes[rank] + (world - 1) * self.width
         received = (world - 1) * self.sizes[rank] + (world - 1) * self.width
         return sent, received
+
+    def traffic_across(self, world: int, rank: int, nodes) -> int:
+        """The chunk payloads for owners on other nodes (a pairwise all-to-all), and the gathered rows when this rank's
+        successor in the all-gather's ring is on another node."""
+        node = rank // nodes.node_size
+        to_owners = sum(size for owner, size in enumerate(self.sizes) if owner // nodes.node_size != node)
+        return to_owners + ((world - 1) * self.width if ring_crosses(rank, world, nodes) else 0)
 
     def payload_bytes(self) -> int:
         return self.total_size
@@ -166,11 +176,9 @@ class TwoPhaseBucket(ResidualPlan):
             j = end
         return torch.stack(verdicts).all()
 
-    def _restore_residuals(self, mask: torch.Tensor) -> None:
-        super()._restore_residuals(mask)
-        if self.owner_residual is not None:
-            start, end = self.bounds[self.rank]
-            torch.where(mask[start:end], self._owner_spare, self.owner_residual, out=self.owner_residual)
+    def _states(self) -> list:
+        start, end = self.bounds[self.rank]
+        return [*super()._states(), (self.owner_residual, self._owner_spare, slice(start, end))]
 
     def tensors(self) -> dict:
         return {"residual": self.residual, "owner_residual": self.owner_residual}

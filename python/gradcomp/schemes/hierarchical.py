@@ -1,0 +1,160 @@
+"""The hierarchical scheme: full precision inside a node, the codec between nodes.
+
+A GPU cluster's slow link is the one between nodes. With W = N x L ranks (N nodes of L ranks, numbered
+together: gradcomp.nodes), a bucket of n elements goes in three steps:
+    1. inside the node, a reduce-scatter of the bucket divided by L, in the gradient's dtype: local rank l
+       then holds shard l of its node's average (ceil(n / L) elements; the bucket padded with zeros to L
+       shards);
+    2. between nodes, among the N ranks of local rank l (one per node): the codec's own exchange of shard l,
+       as a flat scheme runs a bucket on N ranks (two-phase, or allgather where it sends fewer bytes, for
+       the gathered codecs; allreduce for the summable ones), with its error feedback: the sender's residual
+       of the shard, and the two-phase owner's of its chunk of it;
+    3. inside the node, an all-gather of the decoded shards.
+Each node then sends across its link the exchanges of its L shards, together one flat exchange of the bucket
+on N ranks (about 2(N-1)/N payloads under two-phase), whatever L; a flat scheme sends about L of them.
+
+The three steps go in order on every rank: the reduce-scatter is waited for on the hook's thread (on NCCL
+the stream waits, not the host), so the exchanges between nodes start in bucket order; the all-gather
+inside the node goes through the step's sequencer, in its second round.
+
+Non-finite data: the bucket's verdict is read from the whole gathered bucket, which every rank of every node
+holds alike, and a shard's state rolls back to the step before when it is not finite (the exchange of a
+shard only sees its own shard's verdict). Random streams: shard l of bucket b draws as bucket b * L + l,
+so no two shards share one.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .._futures import value_or_raise
+from .._tensors import idle_elements
+from .allgather import AllgatherBucket
+from .allreduce import AllreduceBucket
+from .two_phase import TwoPhaseBucket
+
+
+def inner_plan_class(codec, numel: int, dtype: torch.dtype, nodes: int) -> type:
+    """The flat scheme the shards travel by between nodes (the same choice as scheme="auto" at N ranks)."""
+    if codec.collective == "allreduce":
+        return AllreduceBucket
+    gather, two_phase = (plan.expected_sent(codec, numel, dtype, nodes) for plan in (AllgatherBucket, TwoPhaseBucket))
+    return TwoPhaseBucket if two_phase < gather else AllgatherBucket
+
+
+class HierarchicalBucket:
+    scheme = "hierarchical"
+    # What a new bucket layout cannot take over: the residuals cover a shard of the bucket, not whole parameters.
+    relayout_loss = "this rank's residuals of its shard (the hierarchical scheme)"
+
+    def __init__(self, codec, index: int, keys, shapes, dtype: torch.dtype, device, *, world: int = 1,
+                 rank: int = 0, node_size: int = 1):
+        if node_size < 1 or world % node_size:
+            raise ValueError(f"gradcomp: the hierarchical scheme needs nodes of equal size: node_size={node_size} "
+                             f"does not divide the world size {world}")
+        self.codec, self.index, self.keys, self.dtype = codec, index, tuple(keys), dtype
+        self.world, self.rank, self.node_size = world, rank, node_size
+        self.shapes = [torch.Size(s) for s in shapes]
+        self.numel = sum(s.numel() for s in self.shapes)
+        self.shard = -(-self.numel // node_size)
+        nodes, node, local = world // node_size, rank // node_size, rank % node_size
+        inner_type = inner_plan_class(codec, self.shard, dtype, nodes)
+        self.inner = inner_type(codec, index * node_size + local, (index,), [(self.shard,)], dtype, device,
+                                world=nodes, rank=node)
+
+    @property
+    def device(self):
+        return self.inner.device
+
+    def traffic_by_level(self, world: int, rank: int) -> dict[str, tuple[int, int]]:
+        """Bytes this rank sends and receives per step inside its node (the reduce-scatter and the all-gather,
+        rings of L ranks) and across nodes (the shard's exchange)."""
+        inside = 2 * (self.node_size - 1) * self.shard * self.dtype.itemsize
+        return {"inside": (inside, inside), "across": self.inner.traffic(world // self.node_size,
+                                                                         rank // self.node_size)}
+
+    def traffic(self, world: int, rank: int) -> tuple[int, int]:
+        levels = self.traffic_by_level(world, rank)
+        return tuple(a + b for a, b in zip(levels["inside"], levels["across"]))
+
+    def traffic_across(self, world: int, rank: int, nodes) -> int:
+        return self.traffic_by_level(world, rank)["across"][0]
+
+    def weighed_bytes(self, world: int, plain_bytes: int) -> tuple[int, int]:
+        """(plain DDP, this scheme) for the choice whether to compress: the bytes that cross a node's link. Plain
+        DDP's ring crosses each node boundary once per ring step, 2(W-1)/W of the bucket per node."""
+        across = self.inner.traffic(world // self.node_size, 0)[0] * self.node_size
+        return plain_bytes, across
+
+    def payload_bytes(self) -> int:
+        return self.inner.payload_bytes()
+
+    def launch(self, step, flat: torch.Tensor, views) -> torch.futures.Future:
+        started = time.perf_counter()
+        layout = step.nodes
+        if layout is None or (step.world, step.rank, layout.node_size) != (self.world, self.rank, self.node_size):
+            found = "no node layout" if layout is None else f"nodes of {layout.node_size}"
+            raise RuntimeError(f"gradcomp: bucket {self.index} was laid out for rank {self.rank} of {self.world} in "
+                               f"nodes of {self.node_size}; this is rank {step.rank} of {step.world} with {found}")
+        size, numel = self.node_size, self.numel
+        padded = flat.new_zeros(size * self.shard)
+        torch.div(flat, size, out=padded[:numel])  # divided first, as plain DDP divides: the sums stay in range
+        shard = flat.new_empty(self.shard)
+        inside = step.on(layout.inside, size, layout.local_rank)
+        inside.reduce_scatter_now(shard, padded)
+        step.add("encode_s", time.perf_counter() - started)
+        exchanged = self.inner.launch(step.on(layout.across, layout.nodes, layout.node), shard, [shard])
+        gathered = flat.new_empty(size * self.shard)
+        result = step.new_future(flat.device)
+
+        def finish(all_gathered):
+            started = time.perf_counter()
+            all_gathered.value()
+            if result.done():  # this rank failed earlier in the step
+                return
+            flat.copy_(gathered[:numel])
+            finite = torch.isfinite(flat).all()  # every rank of every node holds this same bucket
+            self.inner.revert_unless(finite)
+            step.count_nonfinite(finite)
+            step.add("decode_s", time.perf_counter() - started)
+            result.set_result(flat)
+
+        step.chain_in_order(lambda: exchanged, value_or_raise, lambda: inside.all_gather(gathered, shard), finish,
+                            result, flat.device, round_=2)
+        return result.then(value_or_raise)  # result may fail by set_exception(): see value_or_raise
+
+    def set_idle_aside(self, idle: torch.Tensor, flat: torch.Tensor) -> None:
+        """As ResidualPlan.set_idle_aside, for the elements of this rank's shard."""
+        mask = idle_elements(idle, self.shapes, self.numel)
+        if mask is None:
+            return
+        flat.masked_fill_(mask, 0)
+        local = self.rank % self.node_size
+        padded = torch.zeros(self.node_size * self.shard, dtype=torch.bool, device=mask.device)
+        padded[: self.numel] = mask
+        self.inner.restore_residuals(padded[local * self.shard: (local + 1) * self.shard])
+
+    def pieces(self) -> dict:
+        return {}  # see relayout_loss
+
+    def take(self, pool: dict) -> None:
+        for key in self.keys:  # its parameters' old state cannot be taken over: let it go
+            pool.pop(key, None)
+
+    def tensors(self) -> dict:
+        return self.inner.tensors()
+
+    def spares(self) -> list:
+        return self.inner.spares()
+
+    def load_tensors(self, tensors: dict) -> None:
+        self.inner.load_tensors(tensors)
+
+    @staticmethod
+    def piece_layout(codec, shape, dtype) -> dict:
+        return {}
+
+    def to(self, device) -> None:
+        self.inner.to(device)
