@@ -25,6 +25,7 @@ and per codec the target: at (2, 4) the hierarchical scheme's saving is at least
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -137,18 +138,19 @@ def plot(rows: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
 
     layouts = sorted({(r["nodes"], r["node_size"]) for r in rows})
-    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
-    for spec in CODECS:
+    fig, axes = plt.subplots(1, 2, figsize=(15, 5.5))
+    for i, spec in enumerate(CODECS):
         for scheme, style in (("flat", "--"), ("hierarchical", "-")):
             points = [(f"{n}x{s}", r["saving_vs_plain_measured"]) for n, s in layouts for r in rows
                       if r["link"] == "unshaped" and (r["nodes"], r["node_size"]) == (n, s)
                       and r["config"] == f"{spec} {scheme}"]
             if points:
-                axes[0].plot(*zip(*points), style, marker="o", label=f"{spec} {scheme}")
+                axes[0].plot(*zip(*points), style, color=f"C{i}", marker="o", label=f"{spec} {scheme}")
     axes[0].set_yscale("log")
     axes[0].set_xlabel("nodes x ranks per node")
     axes[0].set_ylabel("saving vs plain DDP across the node boundary (eth0 bytes)")
-    axes[0].legend(fontsize=6)
+    axes[0].set_title("dashed: flat schemes; solid: hierarchical", fontsize=9)
+    axes[0].legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     shaped = [r for r in rows if r["link"] != "unshaped" and r["vs_limit"]]
     labels = [c[0] for c in CONFIGS if any(r["config"] == c[0] for r in shaped)]
     for offset, (n, s) in enumerate(layouts):
@@ -166,6 +168,7 @@ def plot(rows: list[dict], path: str) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="(2, 2) only, a few configurations and steps")
+    parser.add_argument("--replot", action="store_true", help="only redraw the plot from the results in --out")
     parser.add_argument("--layouts", nargs="+", help="N x L, e.g. 2x4 4x2")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=4)
@@ -182,6 +185,12 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.rank is not None:
         rank_main(args)
+        return 0
+    stem = os.path.join(args.out, "hierarchical_quick" if args.quick else "hierarchical")
+    if args.replot:
+        with open(stem + ".json") as f:
+            plot(json.load(f)["rows"], stem + ".png")
+        print(f"redrew {stem}.png")
         return 0
     problem = shaping_problem()
     if problem:
@@ -214,7 +223,6 @@ def main(argv=None) -> int:
         print(f"target {goal['codec']}: saving at (2, 4) {goal['saving at (2, 4)']} over (2, 1) "
               f"{goal['saving at (2, 1)']} = {goal['kept']} ({verdict})")
     os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, "hierarchical_quick" if args.quick else "hierarchical")
     parameters = sum(p.numel() for p in make_model().parameters())
     report = {"machine": machine(), "parameters": parameters, "gradient_bytes": 4 * parameters, "steps": args.steps,
               "warmup": args.warmup, "rate": args.rate, "elapsed_s": round(time.perf_counter() - started),
