@@ -54,8 +54,8 @@ import torch.distributed as dist
 
 from . import _ops
 from ._futures import value_or_raise
-from ._tensors import check_tensor
 from . import nodes as node_layout
+from ._tensors import check_tensor
 from .checkpoint import every_rank_world_size, is_every_rank, this_ranks_entry
 from .codecs import codec as make_codec
 from .powersgd import PowerSGD
@@ -64,8 +64,7 @@ from .schemes import (GATHERED, PLANS, AllgatherBucket, AllreduceBucket, Hierarc
 
 logger = logging.getLogger("gradcomp")
 STATS_KEYS = ("raw_bytes", "wire_bytes", "received_bytes", "node_link_bytes", "node_link_raw_bytes", "encode_s",
-              "decode_s", "buckets", "compressed_buckets",
-              "nonfinite_buckets")
+              "decode_s", "buckets", "compressed_buckets", "nonfinite_buckets")
 STATE_FORMAT = 1
 _STATS_LOCK = threading.Lock()  # stats are a few additions per bucket: one lock for every state will do
 

@@ -18,29 +18,26 @@ def _residuals(state) -> tuple[dict, dict]:
     residual, owner = {}, {}
     for plan in state._plans.values():
         inner = plan.inner
-        local = plan.rank % plan.node_size
+        first = (plan.rank % plan.node_size) * plan.shard  # the bucket's element where this rank's shard starts
+        inside = max(0, plan.numel - first)  # of the shard, what is not padding
         if inner.residual is not None:
-            part = _per_parameter(plan, inner.residual[: max(0, min(plan.shard, plan.numel - local * plan.shard))],
-                                  local * plan.shard)
-            residual.update(part)
+            residual.update(_per_parameter(plan, inner.residual.cpu()[:inside], first))
         if getattr(inner, "owner_residual", None) is not None:
             start, _ = inner.bounds[inner.rank]
-            kept = inner.owner_residual[: max(0, min(inner.owner_residual.numel(), plan.numel - local * plan.shard
-                                                     - start))]
-            owner.update(_per_parameter(plan, kept, local * plan.shard + start))
+            owner.update(_per_parameter(plan, inner.owner_residual.cpu()[: max(0, inside - start)], first + start))
     return residual, owner
 
 
-def recorded(rank, world, configs, steps, node_size, poison_step=None):
+def recorded(rank, world, configs, steps, node_size, poison_step=None, device="cpu"):
     """configs: {name: (model kind, spec or None for plain DDP, register's options, and DDP's bucket_cap_mb)}.
-    Returns per config: per step,
-    this rank's gradient going into the hook and the gradient DDP applied, per parameter; at the end, each level's
-    residual per parameter, the stats, and the residuals right before and after poison_step (when given: rank 0's
-    gradient then holds a NaN)."""
+    Returns per config: per step, this rank's gradient going into the hook and the gradient DDP applied, per
+    parameter; at the end, each level's residual per parameter, the stats, and the residuals right before and after
+    poison_step (when given: rank 0's gradient then holds a NaN). device: where the model lives (gloo either way);
+    what comes back is on the CPU."""
     out = {}
     for name, (kind, spec, options) in configs.items():
         options = dict(options)
-        model = make_model(kind)
+        model = make_model(kind).to(device)
         ddp = wrap(model, **({"bucket_cap_mb": options.pop("bucket_cap_mb")} if "bucket_cap_mb" in options else {}))
         state = None
         sent: list[dict] = []
@@ -50,7 +47,7 @@ def recorded(rank, world, configs, steps, node_size, poison_step=None):
 
             def hook(state, bucket):
                 keys = [state._param_keys[id(p)] for p in bucket.parameters()]
-                sent[-1].update({k: g.detach().clone() for k, g in zip(keys, bucket.gradients())})
+                sent[-1].update({k: g.detach().cpu().clone() for k, g in zip(keys, bucket.gradients())})
                 return gradcomp.hook(state, bucket)
 
             ddp.register_comm_hook(state, hook)
@@ -67,8 +64,8 @@ def recorded(rank, world, configs, steps, node_size, poison_step=None):
                 if state is not None and step in (poison_step, (poison_step or 0) + 1):
                     around_poison[step] = _residuals(state)
                 x, y = batch(step, 0, rank)
-                torch.nn.functional.cross_entropy(ddp(x), y).backward()
-                applied.append([p.grad.detach().clone() for p in model.parameters()])
+                torch.nn.functional.cross_entropy(ddp(x.to(device)), y.to(device)).backward()
+                applied.append([p.grad.detach().cpu().clone() for p in model.parameters()])
                 optimizer.step()
                 optimizer.zero_grad()
         count = len(list(model.parameters()))

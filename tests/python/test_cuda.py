@@ -225,6 +225,25 @@ def test_the_hook_reads_device_status_words_back_without_waiting():
 
 
 @needs_cuda_build
+def test_the_hierarchical_scheme_on_the_gpu_gives_the_cpu_bits():
+    """4 ranks on cuda:0 as 2 emulated nodes of 2 (gloo): every step's applied gradients and both levels' residuals
+    equal the same run's on the CPU, bit for bit."""
+    import hierarchical_scenarios
+
+    configs = {spec: ("mlp", spec, {"scheme": "hierarchical"}) for spec in ("signsgd", "topk:ratio=0.2",
+                                                                           "randomk:ratio=0.3", "qsgd")}
+    on_gpu = unwrap(run_ranks(hierarchical_scenarios.recorded, 4, (configs, 4, 2, None, "cuda"), timeout=600))
+    on_cpu = unwrap(run_ranks(hierarchical_scenarios.recorded, 4, (configs, 4, 2), timeout=600))
+    for gpu, cpu in zip(on_gpu, on_cpu):
+        for spec in configs:
+            for step, (got, want) in enumerate(zip(gpu[spec]["applied"], cpu[spec]["applied"])):
+                assert all(same_bits(g, w) for g, w in zip(got, want)), (spec, step)
+            for level in ("residual", "owner"):
+                for g, w in zip(gpu[spec][level], cpu[spec][level]):
+                    assert (g is None) == (w is None) and (g is None or same_bits(g, w)), (spec, level)
+
+
+@needs_cuda_build
 def test_a_ddp_step_of_every_codec_makes_no_host_sync():
     import corruption_scenarios
 
