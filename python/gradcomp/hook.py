@@ -60,7 +60,7 @@ from .checkpoint import every_rank_world_size, is_every_rank, this_ranks_entry
 from .codecs import codec as make_codec
 from .powersgd import PowerSGD
 from .schemes import (GATHERED, PLANS, AllgatherBucket, AllreduceBucket, HierarchicalBucket, PowerSGDBucket,
-                      check_scheme, fixed_scheme, make_plan, plan_class, ring_allreduce_bytes, takes_hierarchical)
+                      check_scheme, fixed_scheme, make_plan, plan_class, ring_allreduce_bytes)
 
 logger = logging.getLogger("gradcomp")
 STATS_KEYS = ("raw_bytes", "wire_bytes", "received_bytes", "node_link_bytes", "node_link_raw_bytes", "encode_s",
@@ -556,7 +556,7 @@ class CompressionState:
                             f"schemes")
             return
         layout = node_layout.NodeLayout(world, size, dist.get_rank(group), found_by)
-        hierarchical = takes_hierarchical(self.codec) and self.scheme in ("auto", "hierarchical")
+        hierarchical = self.scheme in ("auto", "hierarchical")
         if hierarchical and layout.two_levels:
             layout.create_groups()
         elif hierarchical and asked:
@@ -961,9 +961,7 @@ class CompressionState:
     def _saved_plan_type(scheme, codec) -> type:
         """The plan class of a saved bucket's scheme, refused where codec does not travel by it."""
         fixed = fixed_scheme(codec)
-        allowed = [fixed] if fixed else [plan.scheme for plan in GATHERED]
-        if takes_hierarchical(codec):
-            allowed.append(HierarchicalBucket.scheme)
+        allowed = ([fixed] if fixed else [plan.scheme for plan in GATHERED]) + [HierarchicalBucket.scheme]
         if scheme not in allowed:
             raise ValueError(f"gradcomp: the state holds a bucket of scheme {scheme!r}; {codec.name} travels by "
                              f"{' or '.join(allowed)}")
@@ -1110,10 +1108,10 @@ def register(ddp_model: torch.nn.Module, spec: "str | CompressionState" = "topk"
     scheme: how signsgd, terngrad, qsgd and topk payloads travel: "allgather" (every rank's payload to
         every rank: W-1 payloads sent per rank), "two-phase" (chunks to their owners, re-encoded averages
         back: about 2 payloads per rank at any W), "hierarchical" (full precision inside each node, the
-        codec's exchange of a 1/L shard between nodes: every codec but powersgd), or "auto" (the default):
-        hierarchical where the ranks form several nodes of several ranks, else per bucket the flat scheme
-        that sends fewer bytes at this world size; "flat" is auto without the hierarchical scheme. Other codecs
-        take "auto", "flat" or "hierarchical".
+        codec's exchange of a 1/L shard between nodes; powersgd's shards are groups of whole parameters), or
+        "auto" (the default): hierarchical where the ranks form several nodes of several ranks, else per
+        bucket the flat scheme that sends fewer bytes at this world size; "flat" is auto without the
+        hierarchical scheme. Other codecs take "auto", "flat" or "hierarchical".
     start_iter: steps of plain allreduce first (past DDP's bucket rebuild after step 0). Under AdamW a few % of
         the run's steps: much of what a codec costs there arises in the first steps.
     start_codec: a codec spec for those first steps in place of plain allreduce, one that keeps no state

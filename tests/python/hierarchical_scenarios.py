@@ -18,6 +18,10 @@ def _residuals(state) -> tuple[dict, dict]:
     residual, owner = {}, {}
     for plan in state._plans.values():
         inner = plan.inner
+        if plan.groups is not None:  # powersgd: shards of whole parameters, each a PowerSGD bucket of them
+            residual.update({k: piece["residual"].reshape(-1).cpu() for k, piece in inner.pieces().items()
+                             if "residual" in piece})
+            continue
         first = (plan.rank % plan.node_size) * plan.shard  # the bucket's element where this rank's shard starts
         inside = max(0, plan.numel - first)  # of the shard, what is not padding
         if inner.residual is not None:

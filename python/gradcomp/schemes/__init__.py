@@ -7,7 +7,7 @@ small interface (base.ResidualPlan's docstring).
 | allgather | signsgd, terngrad, qsgd, topk   | (W-1) x the payload                       |
 | two-phase | signsgd, terngrad, qsgd, topk   | about 2(W-1)/W x the payload + 2(W-1) headers |
 | powersgd  | powersgd                        | 2(W-1)/W x (P + Q)                        |
-| hierarchical | all but powersgd             | across nodes: the codec's exchange of a 1/L shard (a node: one  |
+| hierarchical | every codec                     | across nodes: the codec's exchange of a 1/L shard (a node: one  |
 |           |                                 | flat exchange of the bucket on N ranks); inside: full precision |
 
 For the codecs that can go either way, scheme="auto" (the default) picks per bucket the scheme that
@@ -36,7 +36,7 @@ GATHERED = (AllgatherBucket, TwoPhaseBucket)  # the schemes of the codecs whose 
 
 __all__ = ["AllgatherBucket", "AllreduceBucket", "GATHERED", "HierarchicalBucket", "PLANS", "PowerSGDBucket",
            "SCHEME_OPTIONS", "TwoPhaseBucket", "check_scheme", "fixed_scheme", "make_plan", "plan_class",
-           "ring_allreduce_bytes", "takes_hierarchical"]
+           "ring_allreduce_bytes"]
 
 
 def fixed_scheme(codec) -> str | None:
@@ -46,18 +46,9 @@ def fixed_scheme(codec) -> str | None:
     return AllreduceBucket.scheme if codec.collective == "allreduce" else None
 
 
-def takes_hierarchical(codec) -> bool:
-    """Whether the codec can travel by the hierarchical scheme: every codec that speaks the wire format (powersgd's
-    matrices do not split into shards of elements)."""
-    return not isinstance(codec, PowerSGD)
-
-
 def check_scheme(codec, scheme) -> str:
     if scheme not in SCHEME_OPTIONS:
         raise ValueError(f"gradcomp: scheme={scheme!r}; valid: {', '.join(map(repr, SCHEME_OPTIONS))}")
-    if scheme == "hierarchical" and not takes_hierarchical(codec):
-        raise ValueError("gradcomp: scheme='hierarchical' takes every codec but powersgd, whose matrices do not "
-                         "split into the shards of elements it sends between nodes; leave powersgd's scheme 'auto'")
     fixed = fixed_scheme(codec)
     if fixed is not None and scheme not in ("auto", "hierarchical", "flat"):
         raise ValueError(f"gradcomp: {codec.name} travels by {fixed}; scheme={scheme!r} applies to signsgd, "
@@ -68,7 +59,7 @@ def check_scheme(codec, scheme) -> str:
 def plan_class(codec, scheme: str, numel: int, dtype: torch.dtype, world: int, nodes=None) -> type:
     """The plan a bucket of numel elements takes under scheme at this world size (the same on every rank). nodes:
     the node layout (gradcomp.nodes.NodeLayout) where the ranks form several nodes of several ranks, else None."""
-    if nodes is not None and scheme in ("auto", "hierarchical") and takes_hierarchical(codec):
+    if nodes is not None and scheme in ("auto", "hierarchical"):
         return HierarchicalBucket
     if scheme in ("hierarchical", "flat"):  # the flat scheme auto takes without several nodes of several ranks
         scheme = "auto"

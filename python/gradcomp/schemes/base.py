@@ -20,6 +20,18 @@ def ring_crosses(rank: int, world: int, nodes) -> bool:
     return nodes.nodes > 1 and (rank + 1) % nodes.node_size == 0
 
 
+def revert_unless(finite: torch.Tensor, states) -> None:
+    """Each (state, the same before the step) pair back to before unless finite (a 0-d bool; on CUDA selected on
+    the device, without a sync). After keep_if_finite, a plan's spares hold the state before the step."""
+    for state, before in states:
+        if state is None:
+            continue
+        if state.is_cuda:
+            torch.where(finite, state, before, out=state)
+        elif not bool(finite):
+            state.copy_(before)
+
+
 def copy_into_spare(state: torch.Tensor | None, spare: torch.Tensor | None) -> torch.Tensor | None:
     """spare, holding a copy of state for a step to update (allocated anew when missing or on another
     device); None when there is no state."""
@@ -93,14 +105,8 @@ class ResidualPlan:
                 torch.where(mask[span], before, state, out=state)
 
     def revert_unless(self, finite: torch.Tensor) -> None:
-        """Every residual back to before the step unless finite (a 0-d bool; on CUDA selected on the device)."""
-        for state, before, _ in self._states():
-            if state is None:
-                continue
-            if state.is_cuda:
-                torch.where(finite, state, before, out=state)
-            elif not bool(finite):
-                state.copy_(before)
+        """Every residual back to before the step unless finite (a 0-d bool)."""
+        revert_unless(finite, [(state, before) for state, before, _ in self._states()])
 
     def pieces(self) -> dict:
         if self.residual is None:

@@ -8,7 +8,9 @@ together: gradcomp.nodes), a bucket of n elements goes in three steps:
     2. between nodes, among the N ranks of local rank l (one per node): the codec's own exchange of shard l,
        as a flat scheme runs a bucket on N ranks (two-phase, or allgather where it sends fewer bytes, for
        the gathered codecs; allreduce for the summable ones), with its error feedback: the sender's residual
-       of the shard, and the two-phase owner's of its chunk of it;
+       of the shard, and the two-phase owner's of its chunk of it. PowerSGD's matrices do not split into
+       shards of elements: its shards are groups of whole parameters, balanced by size, each padded to the
+       largest, and shard l travels as a PowerSGD bucket of its parameters (P, then Q);
     3. inside the node, an all-gather of the decoded shards.
 Each node then sends across its link the exchanges of its L shards, together one flat exchange of the bucket
 on N ranks (about 2(N-1)/N payloads under two-phase), whatever L; a flat scheme sends about L of them.
@@ -31,13 +33,35 @@ import torch
 
 from .._futures import value_or_raise
 from .._tensors import idle_elements
+from ..powersgd import PowerSGD
 from .allgather import AllgatherBucket
 from .allreduce import AllreduceBucket
+from .powersgd import PowerSGDBucket
 from .two_phase import TwoPhaseBucket
+
+
+def parameter_groups(shapes, size: int) -> list[tuple[int, int]]:
+    """(first, end) parameter positions of size contiguous groups, cut where the running total of elements first
+    reaches each l/size of the whole: every group's share about equal (some may be empty)."""
+    numels = [torch.Size(s).numel() for s in shapes]
+    total, bounds, running, position = sum(numels), [0], 0, 0
+    for local in range(1, size):
+        while position < len(numels) and running + numels[position] <= total * local / size:
+            running += numels[position]
+            position += 1
+        if position < len(numels) and running < total * local / size and running + numels[position] - \
+                total * local / size < total * local / size - running:  # the parameter mostly below the cut
+            running += numels[position]
+            position += 1
+        bounds.append(position)
+    bounds.append(len(numels))
+    return list(zip(bounds[:-1], bounds[1:]))
 
 
 def inner_plan_class(codec, numel: int, dtype: torch.dtype, nodes: int) -> type:
     """The flat scheme the shards travel by between nodes (the same choice as scheme="auto" at N ranks)."""
+    if isinstance(codec, PowerSGD):
+        return PowerSGDBucket
     if codec.collective == "allreduce":
         return AllreduceBucket
     gather, two_phase = (plan.expected_sent(codec, numel, dtype, nodes) for plan in (AllgatherBucket, TwoPhaseBucket))
@@ -58,10 +82,25 @@ class HierarchicalBucket:
         self.world, self.rank, self.node_size = world, rank, node_size
         self.shapes = [torch.Size(s) for s in shapes]
         self.numel = sum(s.numel() for s in self.shapes)
-        self.shard = -(-self.numel // node_size)
         nodes, node, local = world // node_size, rank // node_size, rank % node_size
+        starts = [0]
+        for shape in self.shapes:
+            starts.append(starts[-1] + shape.numel())
+        if isinstance(codec, PowerSGD):  # shards of whole parameters
+            self.groups = parameter_groups(self.shapes, node_size)
+            self.spans = [(starts[a], starts[b]) for a, b in self.groups]
+        else:  # shards of elements: ceil(n / L) each, the last ones padded
+            self.groups = None
+            size = -(-self.numel // node_size)
+            self.spans = [(min(l * size, self.numel), min((l + 1) * size, self.numel)) for l in range(node_size)]
+        self.shard = max(max(end - start for start, end in self.spans), -(-self.numel // node_size))
+        if self.groups is None:
+            inner_keys, inner_shapes = (index,), [(self.shard,)]
+        else:
+            first, end = self.groups[local]
+            inner_keys, inner_shapes = self.keys[first:end], self.shapes[first:end]
         inner_type = inner_plan_class(codec, self.shard, dtype, nodes)
-        self.inner = inner_type(codec, index * node_size + local, (index,), [(self.shard,)], dtype, device,
+        self.inner = inner_type(codec, index * node_size + local, inner_keys, inner_shapes, dtype, device,
                                 world=nodes, rank=node)
 
     @property
@@ -69,11 +108,17 @@ class HierarchicalBucket:
         return self.inner.device
 
     def traffic_by_level(self, world: int, rank: int) -> dict[str, tuple[int, int]]:
-        """Bytes this rank sends and receives per step inside its node (the reduce-scatter and the all-gather,
-        rings of L ranks) and across nodes (the shard's exchange)."""
+        """Bytes a rank sends and receives per step inside its node (the reduce-scatter and the all-gather,
+        rings of L ranks) and across nodes (its shard's exchange: powersgd's shards differ by local rank)."""
         inside = 2 * (self.node_size - 1) * self.shard * self.dtype.itemsize
-        return {"inside": (inside, inside), "across": self.inner.traffic(world // self.node_size,
-                                                                         rank // self.node_size)}
+        nodes, node, local = world // self.node_size, rank // self.node_size, rank % self.node_size
+        if self.groups is None:
+            across = self.inner.traffic(nodes, node)
+        else:
+            first, end = self.groups[local]
+            sent = PowerSGDBucket.traffic_of(self.codec, self.shapes[first:end], nodes) if end > first else 0
+            across = (sent, sent)
+        return {"inside": (inside, inside), "across": across}
 
     def traffic(self, world: int, rank: int) -> tuple[int, int]:
         levels = self.traffic_by_level(world, rank)
@@ -85,7 +130,7 @@ class HierarchicalBucket:
     def weighed_bytes(self, world: int, plain_bytes: int) -> tuple[int, int]:
         """(plain DDP, this scheme) for the choice whether to compress: the bytes that cross a node's link. Plain
         DDP's ring crosses each node boundary once per ring step, 2(W-1)/W of the bucket per node."""
-        across = self.inner.traffic(world // self.node_size, 0)[0] * self.node_size
+        across = sum(self.traffic_across(world, local, None) for local in range(self.node_size))
         return plain_bytes, across
 
     def payload_bytes(self) -> int:
@@ -98,15 +143,16 @@ class HierarchicalBucket:
             found = "no node layout" if layout is None else f"nodes of {layout.node_size}"
             raise RuntimeError(f"gradcomp: bucket {self.index} was laid out for rank {self.rank} of {self.world} in "
                                f"nodes of {self.node_size}; this is rank {step.rank} of {step.world} with {found}")
-        size, numel = self.node_size, self.numel
-        padded = flat.new_zeros(size * self.shard)
-        torch.div(flat, size, out=padded[:numel])  # divided first, as plain DDP divides: the sums stay in range
+        size = self.node_size
+        padded = flat.new_zeros(size, self.shard)
+        for row, (start, end) in zip(padded, self.spans):  # divided first, as plain DDP divides: sums stay in range
+            torch.div(flat[start:end], size, out=row[: end - start])
         shard = flat.new_empty(self.shard)
         inside = step.on(layout.inside, size, layout.local_rank)
-        inside.reduce_scatter_now(shard, padded)
+        inside.reduce_scatter_now(shard, padded.view(-1))
         step.add("encode_s", time.perf_counter() - started)
-        exchanged = self.inner.launch(step.on(layout.across, layout.nodes, layout.node), shard, [shard])
-        gathered = flat.new_empty(size * self.shard)
+        exchanged = self._exchange(step.on(layout.across, layout.nodes, layout.node), shard, layout.local_rank)
+        gathered = flat.new_empty(size, self.shard)
         result = step.new_future(flat.device)
 
         def finish(all_gathered):
@@ -114,7 +160,8 @@ class HierarchicalBucket:
             all_gathered.value()
             if result.done():  # this rank failed earlier in the step
                 return
-            flat.copy_(gathered[:numel])
+            for row, (start, end) in zip(gathered, self.spans):
+                flat[start:end].copy_(row[: end - start])
             finite = torch.isfinite(flat).all()  # every rank of every node holds this same bucket
             self.inner.revert_unless(finite)
             step.count_nonfinite(finite)
@@ -125,16 +172,32 @@ class HierarchicalBucket:
                             result, flat.device, round_=2)
         return result.then(value_or_raise)  # result may fail by set_exception(): see value_or_raise
 
+    def _exchange(self, across, shard: torch.Tensor, local: int) -> torch.futures.Future:
+        """The shard's exchange between nodes: the inner plan on the shard (powersgd: on its parameters' views of
+        it); an empty group of parameters has nothing to send, alike on every node."""
+        if self.groups is None:
+            return self.inner.launch(across, shard, [shard])
+        first, end = self.groups[local]
+        if first == end:
+            done = across.new_future(shard.device)
+            done.set_result(shard)
+            return done
+        group_numel = self.spans[local][1] - self.spans[local][0]
+        views = [part.view(shape) for part, shape in zip(shard[:group_numel].split([s.numel() for s in
+                                                                                     self.shapes[first:end]]),
+                                                          self.shapes[first:end])]
+        return self.inner.launch(across, shard[:group_numel], views)
+
     def set_idle_aside(self, idle: torch.Tensor, flat: torch.Tensor) -> None:
         """As ResidualPlan.set_idle_aside, for the elements of this rank's shard."""
         mask = idle_elements(idle, self.shapes, self.numel)
         if mask is None:
             return
         flat.masked_fill_(mask, 0)
-        local = self.rank % self.node_size
-        padded = torch.zeros(self.node_size * self.shard, dtype=torch.bool, device=mask.device)
-        padded[: self.numel] = mask
-        self.inner.restore_residuals(padded[local * self.shard: (local + 1) * self.shard])
+        start, end = self.spans[self.rank % self.node_size]
+        shard = torch.zeros(self.shard, dtype=torch.bool, device=mask.device)  # the padding: never idle
+        shard[: end - start] = mask[start:end]
+        self.inner.restore_residuals(shard)
 
     def pieces(self) -> dict:
         return {}  # see relayout_loss

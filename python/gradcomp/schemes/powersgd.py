@@ -10,7 +10,7 @@ import torch
 from .._futures import value_or_raise
 from .._tensors import check_saved_tensors, idle_elements, keep_if_finite
 from ..powersgd import PowerSGD
-from .base import ring_allreduce_bytes, ring_crosses
+from .base import revert_unless, ring_allreduce_bytes, ring_crosses
 
 
 def _grouped_offsets(groups, size_of):
@@ -71,9 +71,26 @@ class PowerSGDBucket:
     def expected_sent(codec, numel, dtype, world) -> int:
         raise ValueError("powersgd's bytes depend on the bucket's shapes: build its plan and ask traffic()")
 
+    @staticmethod
+    def summed_numels(codec: PowerSGD, shapes) -> tuple[int, int]:
+        """The fp32 elements of P (with the whole tensors) and of Q for tensors of these shapes: what travels."""
+        p = q = 0
+        for shape in map(torch.Size, shapes):
+            if codec.compresses(shape):
+                rows, cols = codec.matrix_shape(shape)
+                p, q = p + rows * codec.effective_rank(shape), q + cols * codec.effective_rank(shape)
+            else:
+                p += shape.numel()
+        return p, q
+
+    @classmethod
+    def traffic_of(cls, codec: PowerSGD, shapes, world: int) -> int:
+        """Bytes a rank sends (and receives) per step for a bucket of these shapes: P's ring allreduce, then Q's."""
+        p, q = cls.summed_numels(codec, shapes)
+        return ring_allreduce_bytes(4 * p, world) + ring_allreduce_bytes(4 * q, world)
+
     def traffic(self, world: int, rank: int) -> tuple[int, int]:
-        sent = ring_allreduce_bytes(4 * (self.p_numel + self.whole_numel), world) + ring_allreduce_bytes(
-            4 * self.q_numel, world)
+        sent = self.traffic_of(self.codec, self.shapes, world)
         return sent, sent
 
     def payload_bytes(self) -> int:
@@ -189,9 +206,22 @@ class PowerSGDBucket:
         if mask is None:
             return
         flat.masked_fill_(mask, 0)
-        if self.residual is not None and self.groups:
-            matrices = [idle[j].expand(rows * cols) for rows, cols, _, members in self.groups for j in members]
-            torch.where(torch.cat(matrices), self._spare_m, self.residual, out=self.residual)
+        self.restore_residuals(mask)
+
+    def restore_residuals(self, mask: torch.Tensor) -> None:
+        """The residuals before the step of the matrices whose elements mask (one bool per element of the bucket,
+        alike over a parameter) marks."""
+        if self.residual is None or not self.groups:
+            return
+        starts = [0]
+        for shape in self.shapes[:-1]:
+            starts.append(starts[-1] + shape.numel())
+        matrices = [mask[starts[j]].expand(rows * cols) for rows, cols, _, members in self.groups for j in members]
+        torch.where(torch.cat(matrices), self._spare_m, self.residual, out=self.residual)
+
+    def revert_unless(self, finite: torch.Tensor) -> None:
+        """Residual and Q back to before the step unless finite (a 0-d bool)."""
+        revert_unless(finite, [(self.residual, self._spare_m), (self.q, self._spare_q)])
 
     def pieces(self) -> dict:
         """Per-parameter state (residual and Q views), so that a new bucket layout can take it over."""
