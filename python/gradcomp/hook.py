@@ -60,11 +60,11 @@ from .checkpoint import every_rank_world_size, is_every_rank, this_ranks_entry
 from .codecs import codec as make_codec
 from .powersgd import PowerSGD
 from .schemes import (GATHERED, PLANS, AllgatherBucket, AllreduceBucket, HierarchicalBucket, PowerSGDBucket,
-                      check_scheme, fixed_scheme, make_plan, plan_class, ring_allreduce_bytes)
+                      check_scheme, fixed_scheme, make_plan, plan_class, ring_allreduce_bytes, ring_crosses)
 
 logger = logging.getLogger("gradcomp")
-STATS_KEYS = ("raw_bytes", "wire_bytes", "received_bytes", "node_link_bytes", "node_link_raw_bytes", "encode_s",
-              "decode_s", "buckets", "compressed_buckets", "nonfinite_buckets")
+STATS_KEYS = ("raw_bytes", "wire_bytes", "received_bytes", "inside_node_bytes", "node_link_bytes",
+              "node_link_raw_bytes", "encode_s", "decode_s", "buckets", "compressed_buckets", "nonfinite_buckets")
 STATE_FORMAT = 1
 _STATS_LOCK = threading.Lock()  # stats are a few additions per bucket: one lock for every state will do
 
@@ -200,8 +200,10 @@ class _Step:
         ring = ring_allreduce_bytes(nbytes, self.world)
         self.add("wire_bytes", ring)
         self.add("received_bytes", ring)
-        if self.nodes is not None and self.nodes.nodes > 1:
-            self.add("node_link_bytes", ring)
+        if self.nodes is not None:
+            crosses = ring_crosses(self.rank, self.world, self.nodes)
+            self.add("inside_node_bytes", 0 if crosses else ring)
+            self.add("node_link_bytes", ring if self.nodes.nodes > 1 else 0)
 
     def add_plan_bytes(self, plan) -> None:
         """What a plan's scheme sends and receives, this rank's, and its node's across its link (every rank of the
@@ -211,6 +213,7 @@ class _Step:
         self.add("received_bytes", received)
         if self.nodes is not None:
             first = self.nodes.node * self.nodes.node_size
+            self.add("inside_node_bytes", sent - plan.traffic_across(self.world, self.rank, self.nodes))
             self.add("node_link_bytes", sum(plan.traffic_across(self.world, r, self.nodes)
                                             for r in range(first, first + self.nodes.node_size)))
 
@@ -826,7 +829,8 @@ class CompressionState:
         codec)}, "last": the last finished step, "total": since the start}. "last" and "total" hold the bytes
         this rank sent ("wire_bytes") and received under each bucket's scheme; "raw_bytes", what plain DDP's
         ring allreduce would have sent (2(W-1)/W of each bucket); "ratio" = raw / wire, the saving against plain
-        DDP at this world size; "node_link_bytes" and "node_link_raw_bytes", what this rank's node sends across its
+        DDP at this world size; where the node layout is known, "inside_node_bytes", what this rank sends to ranks
+        of its own node, "node_link_bytes" and "node_link_raw_bytes", what this rank's node sends across its
         link under gradcomp and under plain DDP (0 on one node), and "node_link_ratio" between them (the saving
         where the link between nodes is the slow one: "ratio" counts the full-precision bytes inside a node of the
         hierarchical scheme too); encode and decode seconds; buckets, compressed buckets and non-finite buckets."""

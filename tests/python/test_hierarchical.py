@@ -92,6 +92,9 @@ def test_the_stats_count_what_crosses_each_nodes_link(runs):
             for r in range(n * size, (n + 1) * size):
                 assert results[r][name]["stats"]["total"]["node_link_bytes"] == per_node[n]["node_link_bytes"]
         assert 0 < per_node[0]["node_link_bytes"] < per_node[0]["node_link_raw_bytes"] / 2, (name, per_node[0])
+        for result in results:  # what a rank sends stays in its node, but for its shard's exchange between nodes
+            total = result[name]["stats"]["total"]
+            assert 0 < total["inside_node_bytes"] < total["wire_bytes"], (name, total)
 
 
 def test_a_nan_on_one_rank_arrives_everywhere_and_spares_every_level():

@@ -24,7 +24,7 @@ import torch
 from ..powersgd import PowerSGD
 from .allgather import AllgatherBucket
 from .allreduce import AllreduceBucket
-from .base import ring_allreduce_bytes
+from .base import ring_allreduce_bytes, ring_crosses
 from .hierarchical import HierarchicalBucket
 from .powersgd import PowerSGDBucket
 from .two_phase import TwoPhaseBucket
@@ -36,7 +36,7 @@ GATHERED = (AllgatherBucket, TwoPhaseBucket)  # the schemes of the codecs whose 
 
 __all__ = ["AllgatherBucket", "AllreduceBucket", "GATHERED", "HierarchicalBucket", "PLANS", "PowerSGDBucket",
            "SCHEME_OPTIONS", "TwoPhaseBucket", "check_scheme", "fixed_scheme", "make_plan", "plan_class",
-           "ring_allreduce_bytes"]
+           "ring_allreduce_bytes", "ring_crosses"]
 
 
 def fixed_scheme(codec) -> str | None:
