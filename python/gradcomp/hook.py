@@ -561,7 +561,7 @@ class CompressionState:
         layout = node_layout.NodeLayout(world, size, dist.get_rank(group), found_by)
         hierarchical = self.scheme in ("auto", "hierarchical")
         if hierarchical and layout.two_levels:
-            layout.create_groups()
+            layout.create_groups(group)
         elif hierarchical and asked:
             self._warn_once("nodes", f"gradcomp: the hierarchical scheme falls back to the flat schemes: "
                             f"{layout.describe()}, and it needs several nodes of several ranks")

@@ -14,6 +14,7 @@ import socket
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 
@@ -21,6 +22,15 @@ def facts() -> dict[str, Any]:
     """What this rank knows of its node, for every rank to gather."""
     local = os.environ.get("LOCAL_WORLD_SIZE")
     return {"host": socket.gethostname(), "local_world_size": int(local) if local and local.isdigit() else None}
+
+
+def group_timeout(group):
+    """The timeout a process group was created with, or None (the default) where the backend does not say."""
+    try:
+        device = torch.device("cuda" if dist.get_backend(group) == "nccl" else "cpu")
+        return group._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError, ValueError):
+        return None
 
 
 def check_node_size(node_size) -> int | None:
@@ -87,15 +97,16 @@ class NodeLayout:
         """Whether there is more than one node and more than one rank per node: only then do levels differ."""
         return self.nodes > 1 and self.node_size > 1
 
-    def create_groups(self) -> None:
-        """Every rank calls this at the same point, and creates every group in the same order."""
-        size, nodes = self.node_size, self.nodes
+    def create_groups(self, like) -> None:
+        """Every rank calls this at the same point, and creates every group in the same order, with the timeout of
+        the group `like` (DDP's): a rank that dies or stalls ends the others' step within it, as there."""
+        size, nodes, timeout = self.node_size, self.nodes, group_timeout(like)
         for node in range(nodes):
-            group = dist.new_group(list(range(node * size, (node + 1) * size)))
+            group = dist.new_group(list(range(node * size, (node + 1) * size)), timeout=timeout)
             if node == self.node:
                 self.inside = group
         for local in range(size):
-            group = dist.new_group(list(range(local, self.world, size)))
+            group = dist.new_group(list(range(local, self.world, size)), timeout=timeout)
             if local == self.local_rank:
                 self.across = group
 

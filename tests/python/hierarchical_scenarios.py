@@ -9,27 +9,7 @@ import torch
 
 import gradcomp
 from ddp_scenarios import batch, make_model, train, wrap
-from reliability_scenarios import _per_parameter
-
-
-def _residuals(state) -> tuple[dict, dict]:
-    """Per parameter key: this rank's residual of its shard, and its two-phase owner residual, as tensors of the
-    parameter's size (zeros where it holds none)."""
-    residual, owner = {}, {}
-    for plan in state._plans.values():
-        inner = plan.inner
-        if plan.groups is not None:  # powersgd: shards of whole parameters, each a PowerSGD bucket of them
-            residual.update({k: piece["residual"].reshape(-1).cpu() for k, piece in inner.pieces().items()
-                             if "residual" in piece})
-            continue
-        first = (plan.rank % plan.node_size) * plan.shard  # the bucket's element where this rank's shard starts
-        inside = max(0, plan.numel - first)  # of the shard, what is not padding
-        if inner.residual is not None:
-            residual.update(_per_parameter(plan, inner.residual.cpu()[:inside], first))
-        if getattr(inner, "owner_residual", None) is not None:
-            start, _ = inner.bounds[inner.rank]
-            owner.update(_per_parameter(plan, inner.owner_residual.cpu()[: max(0, inside - start)], first + start))
-    return residual, owner
+from reliability_scenarios import residuals_per_parameter
 
 
 def recorded(rank, world, configs, steps, node_size, poison_step=None, device="cpu"):
@@ -66,14 +46,14 @@ def recorded(rank, world, configs, steps, node_size, poison_step=None, device="c
             for step in range(steps):
                 sent.append({})
                 if state is not None and step in (poison_step, (poison_step or 0) + 1):
-                    around_poison[step] = _residuals(state)
+                    around_poison[step] = residuals_per_parameter(state)
                 x, y = batch(step, 0, rank)
                 torch.nn.functional.cross_entropy(ddp(x.to(device)), y.to(device)).backward()
                 applied.append([p.grad.detach().cpu().clone() for p in model.parameters()])
                 optimizer.step()
                 optimizer.zero_grad()
         count = len(list(model.parameters()))
-        residual, owner = _residuals(state) if state is not None else ({}, {})
+        residual, owner = residuals_per_parameter(state) if state is not None else ({}, {})
         out[name] = {"sent": [[s.get(k) for k in range(count)] for s in sent], "applied": applied,
                      "residual": [residual.get(k) for k in range(count)], "owner": [owner.get(k) for k in range(count)],
                      "stats": state.stats() if state is not None else None, "around_poison": around_poison,

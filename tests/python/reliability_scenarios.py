@@ -213,17 +213,42 @@ def _per_parameter(plan, flat: torch.Tensor, start: int) -> dict:
     return pieces
 
 
+def residuals_per_parameter(state) -> tuple[dict, dict]:
+    """Per parameter key, as tensors of the parameter's size on the CPU (zeros where this rank holds none): this
+    rank's residual, and the owner residual of what it owns (two-phase, flat or between nodes). Under the
+    hierarchical scheme, the residual of this rank's shard (powersgd: of its group of whole parameters)."""
+    residual, owner = {}, {}
+    for plan in state._plans.values():
+        keeper, first, inside = plan, 0, plan.numel  # the plan holding the state; its first element in the bucket
+        if plan.scheme == "hierarchical":
+            keeper = plan.inner
+            if plan.groups is None:
+                first = (plan.rank % plan.node_size) * plan.shard
+                inside = max(0, plan.numel - first)  # of the shard, what is not padding
+        if keeper.scheme == "powersgd" or plan.scheme != "hierarchical":  # residuals of whole parameters
+            residual.update({k: piece["residual"].reshape(-1).cpu() for k, piece in keeper.pieces().items()
+                             if "residual" in piece})
+        elif keeper.residual is not None:
+            residual.update(_per_parameter(plan, keeper.residual.cpu()[:inside], first))
+        if getattr(keeper, "owner_residual", None) is not None:
+            start, _ = keeper.bounds[keeper.rank]
+            owner.update(_per_parameter(plan, keeper.owner_residual.cpu()[: max(0, inside - start)], first + start))
+    return residual, owner
+
+
 def unused_error_feedback(rank, world, configs, steps):
     """find_unused_parameters=True on IdleHead (a head unused on every rank at every other step, one unused at
-    every step). configs: {name: (spec, scheme, DDP options, zero_grad's set_to_none)}. Returns per config, by
+    every step). configs: {name: (spec, scheme, DDP options, zero_grad's set_to_none[, more of the state's
+    options])}. Returns per config, by
     parameter position: this rank's gradient going into the hook at each step, the gradient DDP left in .grad
     after each backward (zeros for None), and at the end this rank's residual and the two-phase owner residual
     of the elements this rank owns (zeros where it has none)."""
     out = {}
-    for name, (spec, scheme, ddp_kwargs, set_to_none) in configs.items():
+    for name, (spec, scheme, ddp_kwargs, set_to_none, *more) in configs.items():
         model = IdleHead()
         ddp = wrap(model, find_unused_parameters=True, **ddp_kwargs)
-        state = gradcomp.CompressionState(spec, scheme=scheme, start_iter=1, min_bucket_ratio=0, model=model)
+        state = gradcomp.CompressionState(spec, scheme=scheme, start_iter=1, min_bucket_ratio=0, model=model,
+                                          **(more[0] if more else {}))
         sent: list[dict] = []
 
         def hook(state, bucket):
@@ -242,13 +267,7 @@ def unused_error_feedback(rank, world, configs, steps):
                             for p in model.parameters()])
             optimizer.step()
             optimizer.zero_grad(set_to_none=set_to_none)
-        residual, owner = {}, {}
-        for plan in state._plans.values():
-            if getattr(plan, "residual", None) is not None:
-                residual.update({k: piece["residual"].reshape(-1).clone() for k, piece in plan.pieces().items()
-                                 if "residual" in piece})
-            if getattr(plan, "owner_residual", None) is not None:
-                owner.update(_per_parameter(plan, plan.owner_residual, plan.bounds[plan.rank][0]))
+        residual, owner = residuals_per_parameter(state)
         count = len(list(model.parameters()))
         out[name] = {"sent": [[s.get(k) for k in range(count)] for s in sent], "applied": applied,
                      "residual": [residual.get(k) for k in range(count)], "owner": [owner.get(k) for k in range(count)],

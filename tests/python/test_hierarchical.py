@@ -127,6 +127,36 @@ def test_a_resumed_run_repeats_the_uninterrupted_one(tmp_path):
             assert not warned, warned
 
 
+@pytest.mark.parametrize("kind", ["die", "stall"])
+def test_a_rank_that_dies_or_stalls_ends_the_others_step_with_a_clear_error(kind):
+    """Its node-mate waits in the reduce-scatter inside the node, the others in the exchange between nodes: every
+    group inside and across the nodes has DDP's timeout, so no rank hangs."""
+    import reliability_scenarios
+
+    pg_timeout_s = 6
+    options = {"node_size": 2, "scheme": "hierarchical"}
+    results = run_ranks(reliability_scenarios.fault, 4, ("topk:ratio=0.1", options, kind, 4), timeout=180,
+                        pg_timeout_s=pg_timeout_s, wait_for=[0, 1, 2])
+    assert results[3] is None  # the faulty rank never reported
+    for result in unwrap(results[:3]):
+        assert result["step"] == 4 and result["error"] is not None, result
+        assert "gradcomp: the" in result["error"] and "step 4 failed" in result["error"], result["error"]
+        assert result["after_s"] < 2 * pg_timeout_s + 10, result
+
+
+def test_a_parameter_no_rank_used_loses_nothing_at_either_level():
+    """find_unused_parameters=True on 2 nodes of 2: test_reliability's checks, with the residuals of the shards
+    (held once per node) and of the owners between nodes."""
+    import reliability_scenarios
+    from test_reliability import IDLE_SETTINGS, assert_nothing_lost_for_unused_heads
+
+    configs = {f"{spec}{setting}": (spec, "hierarchical", options, set_to_none, {"node_size": 2})
+               for spec in ("signsgd", "topk:ratio=0.2", "powersgd:rank=1", "qsgd")
+               for setting, (options, set_to_none) in IDLE_SETTINGS.items()}
+    results = unwrap(run_ranks(reliability_scenarios.unused_error_feedback, 4, (configs, 6), timeout=600))
+    assert_nothing_lost_for_unused_heads(results, configs, 6, replicas=2)
+
+
 def test_node_layouts_fallbacks_and_refusals():
     results = unwrap(run_ranks(scenarios.refusals, 4, ({
         "node_size 3": {"node_size": 3},
