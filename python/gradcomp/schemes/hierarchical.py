@@ -46,11 +46,11 @@ def parameter_groups(shapes, size: int) -> list[tuple[int, int]]:
     numels = [torch.Size(s).numel() for s in shapes]
     total, bounds, running, position = sum(numels), [0], 0, 0
     for local in range(1, size):
-        while position < len(numels) and running + numels[position] <= total * local / size:
+        cut = total * local / size
+        while position < len(numels) and running + numels[position] <= cut:
             running += numels[position]
             position += 1
-        if position < len(numels) and running < total * local / size and running + numels[position] - \
-                total * local / size < total * local / size - running:  # the parameter mostly below the cut
+        if position < len(numels) and cut - running > running + numels[position] - cut:  # mostly below the cut
             running += numels[position]
             position += 1
         bounds.append(position)
