@@ -47,6 +47,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--compressor", default="topk:ratio=0.01", help='codec spec; "none" is plain DDP')
     parser.add_argument("--scheme", default="auto", choices=gradcomp.schemes.SCHEME_OPTIONS,
                         help="how signsgd, terngrad, qsgd and topk travel (auto: the one sending fewer bytes)")
+    parser.add_argument("--policy", default="codec", choices=["codec", "time"],
+                        help="time: per bucket the fastest of plain allreduce and the codec's schemes, measured on "
+                             "this job (its decision is printed after the warm-up)")
     parser.add_argument("--epochs", type=int, default=40)
     parser.add_argument("--batch-size", type=int, default=100, help="global batch, split over the ranks")
     parser.add_argument("--lr", type=float, default=0.3,
@@ -206,7 +209,7 @@ def run(rank: int, world: int, local_rank: int, backend: str, args: argparse.Nam
         model.load_state_dict(saved["model"])
         optimizer.load_state_dict(saved["optimizer"])
     ddp_model = DistributedDataParallel(model, device_ids=[local_rank] if device.type == "cuda" else None)
-    state = gradcomp.register(ddp_model, args.compressor, scheme=args.scheme)
+    state = gradcomp.register(ddp_model, args.compressor, scheme=args.scheme, policy=args.policy)
     if saved:
         state.load_state_dict(saved["compressor"])
     first_epoch = saved["epoch"] + 1 if saved else 0
@@ -222,6 +225,7 @@ def run(rank: int, world: int, local_rank: int, backend: str, args: argparse.Nam
               f"{args.epochs} epochs of {steps} steps, global batch {args.batch_size}", flush=True)
     history = saved["history"] if saved else []
     previous = state.stats()["total"]
+    explained = args.policy != "time"
     for epoch in range(first_epoch, args.epochs):
         started = time.perf_counter()
         ddp_model.train()
@@ -236,6 +240,10 @@ def run(rank: int, world: int, local_rank: int, backend: str, args: argparse.Nam
             nn.utils.clip_grad_norm_(model.parameters(), CLIP_NORM)
             optimizer.step()
             loss_sum += loss.detach()
+            if not explained and state.stats()["decision"] is not None:
+                explained = True
+                if is_main:
+                    print(("\r" if show_bar else "") + state.explain(), flush=True)
             if show_bar:
                 progress(epoch, step + 1, steps)
 

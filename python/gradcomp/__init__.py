@@ -15,7 +15,9 @@
 from . import _ops  # noqa: F401  (loads gradcomp._C: registers torch.ops.gradcomp.*)
 from .checkpoint import every_rank
 from .codecs import Codec, PayloadCodec, available, codec, count_for_ratio, describe, parse_spec
-from .hook import CompressionState, hook, register
+from .hook import hook
+from .registration import register
+from .state import CompressionState
 from .powersgd import PowerSGD
 
 __version__ = "0.1.0"

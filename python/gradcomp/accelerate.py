@@ -22,8 +22,8 @@ except ImportError as missing:
     raise ImportError('gradcomp.accelerate needs Accelerate: pip install "gradcomp[accelerate]"') from missing
 
 from .checkpoint import every_rank
-from .hook import CompressionState, find_ddp
-from .hook import register as register_hook
+from .registration import find_ddp, register as register_hook
+from .state import CompressionState
 
 DDP_TYPES = {DistributedType.MULTI_CPU, DistributedType.MULTI_GPU}
 

@@ -42,7 +42,7 @@ class EveryRankState:
     __slots__ = ("state", "directory")
 
     def __init__(self, state, directory: str | None = None):
-        from .hook import CompressionState  # hook imports this module's loader
+        from .state import CompressionState  # the state imports this module's loader
         if not isinstance(state, CompressionState):
             raise TypeError(f"gradcomp.every_rank takes a CompressionState (what gradcomp.register returns), got "
                             f"{type(state).__name__}")

@@ -32,7 +32,8 @@ except ImportError:  # the older package name
 from torch.nn.parallel import DistributedDataParallel
 
 from .checkpoint import every_rank
-from .hook import CompressionState, register
+from .registration import register
+from .state import CompressionState
 
 
 class GradcompCallback(Callback):

@@ -4,7 +4,6 @@ loaded unchecked) and the collectives a compressed step issues. See ddp_harness.
 
 from __future__ import annotations
 
-import importlib
 import pickle
 
 import torch
@@ -14,6 +13,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradcomp
+import gradcomp.step
 from ddp_scenarios import BUCKET_CAP_MB, batch, gradients, make_model, train, wrap
 from reliability_scenarios import Branchy
 
@@ -295,7 +295,7 @@ def owner_fails(rank, world, failing_owner, steps):
     gradcomp.register(ddp, "signsgd", scheme="two-phase", start_iter=1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     train(ddp, optimizer, steps - 1, rank)
-    step_class = importlib.import_module("gradcomp.hook")._Step  # gradcomp.hook is the hook function
+    step_class = gradcomp.step.Step
     original = step_class.all_to_all
 
     def corrupting(self, out, tensor, out_splits, in_splits):

@@ -225,7 +225,7 @@ def residuals_per_parameter(state) -> tuple[dict, dict]:
             if plan.groups is None:
                 first = (plan.rank % plan.node_size) * plan.shard
                 inside = max(0, plan.numel - first)  # of the shard, what is not padding
-        if keeper.scheme == "powersgd" or plan.scheme != "hierarchical":  # residuals of whole parameters
+        if keeper.scheme == "powersgd":  # residuals of whole matrices
             residual.update({k: piece["residual"].reshape(-1).cpu() for k, piece in keeper.pieces().items()
                              if "residual" in piece})
         elif keeper.residual is not None:

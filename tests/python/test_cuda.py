@@ -210,9 +210,9 @@ def test_the_two_phase_scheme_on_the_gpu_gives_the_cpu_bits():
 
 def test_the_hook_reads_device_status_words_back_without_waiting():
     """A problem a CUDA decode OR-ed into a step's word raises at a later step's poll, once its copy landed."""
-    from gradcomp.hook import _DecodeChecks
+    from gradcomp.step import DecodeChecks
 
-    checks = _DecodeChecks()
+    checks = DecodeChecks()
     assert checks.word(0, torch.device("cpu")) is None  # the CPU path raises at once
     checks.word(3, torch.device("cuda", 0)).fill_(4)  # step 3: a bad topk index
     checks.word(4, torch.device("cuda", 0))  # step 4: nothing wrong

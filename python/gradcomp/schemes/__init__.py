@@ -9,12 +9,14 @@ small interface (base.ResidualPlan's docstring).
 | powersgd  | powersgd                        | 2(W-1)/W x (P + Q)                        |
 | hierarchical | every codec                     | across nodes: the codec's exchange of a 1/L shard (a node: one  |
 |           |                                 | flat exchange of the bucket on N ranks); inside: full precision |
+| plain     | every codec (policy="time")     | 2(W-1)/W x the bucket, uncompressed, as plain DDP               |
 
 For the codecs that can go either way, scheme="auto" (the default) picks per bucket the scheme that
 sends fewer bytes at this world size: allgather at 2 ranks, two-phase from 3 on, except for buckets so
 small that W chunk headers outweigh the saving; and the hierarchical scheme wherever the ranks form more
 than one node of more than one rank (gradcomp.nodes): it always sends fewer bytes across nodes.
-scheme="flat" is auto without the hierarchical scheme.
+scheme="flat" is auto without the hierarchical scheme. Under policy="time" (gradcomp.policy) the scheme
+of each bucket, or plain, is the one a cost model measured on the job predicts fastest.
 """
 
 from __future__ import annotations
@@ -26,15 +28,16 @@ from .allgather import AllgatherBucket
 from .allreduce import AllreduceBucket
 from .base import ring_allreduce_bytes, ring_crosses
 from .hierarchical import HierarchicalBucket
+from .plain import PlainBucket
 from .powersgd import PowerSGDBucket
 from .two_phase import TwoPhaseBucket
 
 SCHEME_OPTIONS = ("auto", "allgather", "two-phase", "hierarchical", "flat")
 PLANS = {plan.scheme: plan for plan in (AllreduceBucket, AllgatherBucket, TwoPhaseBucket, PowerSGDBucket,
-                                        HierarchicalBucket)}
+                                        HierarchicalBucket, PlainBucket)}
 GATHERED = (AllgatherBucket, TwoPhaseBucket)  # the schemes of the codecs whose payloads cannot be summed
 
-__all__ = ["AllgatherBucket", "AllreduceBucket", "GATHERED", "HierarchicalBucket", "PLANS", "PowerSGDBucket",
+__all__ = ["AllgatherBucket", "AllreduceBucket", "GATHERED", "HierarchicalBucket", "PLANS", "PlainBucket", "PowerSGDBucket",
            "SCHEME_OPTIONS", "TwoPhaseBucket", "check_scheme", "fixed_scheme", "make_plan", "plan_class",
            "ring_allreduce_bytes", "ring_crosses"]
 

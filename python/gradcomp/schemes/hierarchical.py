@@ -70,8 +70,6 @@ def inner_plan_class(codec, numel: int, dtype: torch.dtype, nodes: int) -> type:
 
 class HierarchicalBucket:
     scheme = "hierarchical"
-    # What a new bucket layout cannot take over: the residuals cover a shard of the bucket, not whole parameters.
-    relayout_loss = "this rank's residuals of its shard (the hierarchical scheme)"
 
     def __init__(self, codec, index: int, keys, shapes, dtype: torch.dtype, device, *, world: int = 1,
                  rank: int = 0, node_size: int = 1):
@@ -102,6 +100,7 @@ class HierarchicalBucket:
         inner_type = inner_plan_class(codec, self.shard, dtype, nodes)
         self.inner = inner_type(codec, index * node_size + local, inner_keys, inner_shapes, dtype, device,
                                 world=nodes, rank=node)
+        self.carried = None  # a flat scheme's residual of this rank, taken over: sent once with the next step
 
     @property
     def device(self):
@@ -144,6 +143,9 @@ class HierarchicalBucket:
             raise RuntimeError(f"gradcomp: bucket {self.index} was laid out for rank {self.rank} of {self.world} in "
                                f"nodes of {self.node_size}; this is rank {step.rank} of {step.world} with {found}")
         size = self.node_size
+        carried = self.carried
+        if carried is not None:  # what a flat scheme held back: in the node's sum, and so in the average, once
+            flat.add_(carried.to(flat.device))
         padded = flat.new_zeros(size, self.shard)
         for row, (start, end) in zip(padded, self.spans):  # divided first, as plain DDP divides: sums stay in range
             torch.div(flat[start:end], size, out=row[: end - start])
@@ -164,6 +166,8 @@ class HierarchicalBucket:
                 flat[start:end].copy_(row[: end - start])
             finite = torch.isfinite(flat).all()  # every rank of every node holds this same bucket
             self.inner.revert_unless(finite)
+            if carried is not None and (carried.is_cuda or bool(finite)):  # kept for the next step where not finite
+                self.carried = None if not carried.is_cuda else torch.where(finite, 0, carried)
             step.count_nonfinite(finite)
             step.add("decode_s", time.perf_counter() - started)
             result.set_result(flat)
@@ -200,11 +204,45 @@ class HierarchicalBucket:
         self.inner.restore_residuals(shard)
 
     def pieces(self) -> dict:
-        return {}  # see relayout_loss
+        """This rank's residuals as a flat scheme's, so that a new layout or scheme takes them over and nothing is lost:
+        the exchange between nodes keeps its residual of shard l in units of the node's average, which counts 1/N in
+        the average, where a rank's residual in a flat scheme counts 1/W: it moves over as L times itself, on the
+        shard's elements (0 elsewhere; the inner two-phase owner's is folded in by the inner plan)."""
+        inner = self.inner.pieces()
+        if self.carried is None and not any("residual" in piece for piece in inner.values()):
+            return {}
+        local = self.rank % self.node_size
+        flat = torch.zeros(self.numel, dtype=self.dtype, device=self.device) if self.carried is None \
+            else self.carried.clone()
+        start, end = self.spans[local]
+        if self.groups is None:
+            flat[start:end].add_(inner[self.inner.keys[0]]["residual"][: end - start], alpha=self.node_size)
+        else:  # powersgd: its group's residuals (PowerSGD's Q stays: other ranks' groups hold other Qs)
+            first, _ = self.groups[local]
+            offset = start
+            for position, key in enumerate(self.inner.keys):
+                count = self.shapes[first + position].numel()
+                if "residual" in inner.get(key, {}):
+                    flat[offset: offset + count].add_(inner[key]["residual"].reshape(-1), alpha=self.node_size)
+                offset += count
+        pieces, offset = {}, 0
+        for key, shape in zip(self.keys, self.shapes):
+            pieces[key] = {"residual": flat[offset: offset + shape.numel()]}
+            offset += shape.numel()
+        return pieces
 
     def take(self, pool: dict) -> None:
-        for key in self.keys:  # its parameters' old state cannot be taken over: let it go
-            pool.pop(key, None)
+        """The residuals a flat scheme (or another layout) left for these parameters: added to the bucket at the next
+        step, before the reduce-scatter, so the node's sum carries them once."""
+        carried = [(pool.pop(key, None) or {}).get("residual") for key in self.keys]
+        if all(piece is None for piece in carried):
+            return
+        self.carried = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+        offset = 0
+        for piece, shape in zip(carried, self.shapes):
+            if piece is not None and piece.numel() == shape.numel():
+                self.carried[offset: offset + shape.numel()].copy_(piece.reshape(-1))
+            offset += shape.numel()
 
     def tensors(self) -> dict:
         return self.inner.tensors()

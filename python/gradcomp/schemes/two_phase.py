@@ -63,9 +63,6 @@ def _payload_sizes(codec, numel: int, dtype: torch.dtype, world: int) -> list[in
 
 class TwoPhaseBucket(ResidualPlan):
     scheme = "two-phase"
-    # What a new bucket layout cannot take over: the owner's residual covers a chunk, not whole parameters.
-    relayout_loss = ("the residual of the chunk this rank owned in the two-phase scheme (one step's re-compression "
-                     "error)")
 
     def __init__(self, codec, index, keys, shapes, dtype, device, *, world: int = 1, rank: int = 0):
         if not 1 <= world <= MAX_WORLD:
@@ -175,6 +172,18 @@ class TwoPhaseBucket(ResidualPlan):
             verdicts.append(torch.isfinite(fields).all())
             j = end
         return torch.stack(verdicts).all()
+
+    def pieces(self) -> dict:
+        """Per parameter, the residual a new layout or scheme takes over, with the owner's residual folded in: W times
+        it on this rank's chunk (the ranks' residuals count 1/W each in the average, the owner's whole), so nothing
+        that error feedback held back is lost."""
+        if self.residual is None:
+            return {}
+        folded = self.residual.clone()
+        if self.owner_residual is not None:
+            start, end = self.bounds[self.rank]
+            folded[start:end].add_(self.owner_residual, alpha=self.world)
+        return {key: {"residual": folded[o: o + n]} for key, o, n in self._offsets()}
 
     def _states(self) -> list:
         start, end = self.bounds[self.rank]

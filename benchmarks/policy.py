@@ -1,0 +1,295 @@
+"""policy="time" against every fixed choice: step times behind shaped links, with the policy's choices and its
+cost model's predictions next to what was measured.
+
+    sudo python benchmarks/policy.py            # 2 and 4 ranks; 100 Mbit/s, 1 and 10 Gbit/s, unshaped; MLP, ResNet-18
+    sudo python benchmarks/policy.py --quick    # 2 ranks, 1 Gbit/s and unshaped, the MLP, signsgd and topk
+
+Every rank runs in a network namespace of its own (as scaling.py), its eth0 shaped both ways by a tc token bucket.
+Per world size and link, one process group runs every configuration of every model, ROUNDS times interleaved
+(round r runs each configuration for --steps timed steps after its warm-up), so that drift of this machine meets
+them all alike. A configuration: plain DDP; the no-communication limit (a hook that returns the local gradient);
+per codec, each option fixed for every bucket (the codec under each scheme it can take, min_bucket_ratio=0) and
+policy="time". A step's time is the slowest rank's (a barrier before each step); a round's figure is the median over
+its steps; a configuration's, the median over the rounds, with the spread (max - min) / median of the rounds beside
+it. Ratios are to the same link's limit. The cost model's prediction: the policy's decision predicts each option's
+exposed communication per step (beyond backward without it); measured, that is the option's step minus the limit's.
+With several ranks on 2 cores the ranks' compute is shared, so times compare only within one world size and link.
+Results: policy[_quick].{json,csv,png} in --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel
+
+import gradcomp
+
+sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)),
+                os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")]
+from bench_common import Namespaces, machine, run_rank_commands, shaping_problem, write_results  # noqa: E402
+from network import resnet18  # noqa: E402
+from scaling import make_model as large_gradient_mlp, no_communication  # noqa: E402
+from train_ddp import finish_spawned_rank  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SUBNET = "10.79.0"
+CODECS = ["signsgd", "qsgd", "topk:ratio=0.01", "powersgd:rank=4"]
+LINKS = ["100mbit", "1gbit", "10gbit", "unshaped"]
+MODELS = {"mlp": (large_gradient_mlp, lambda g: (torch.randn(8, 256, generator=g), torch.randint(0, 10, (8,),
+                                                                                                     generator=g))),
+          "resnet18": (resnet18, lambda g: (torch.randn(4, 3, 32, 32, generator=g), torch.randint(0, 10, (4,),
+                                                                                                       generator=g)))}
+START_ITER = 2
+
+
+def configurations(codec_specs: list[str]) -> list[tuple[str, str | None, dict]]:
+    """(label, codec spec or None, register's options): plain DDP, the limit, each fixed option, the policy."""
+    out = [("plain DDP", None, {}), ("no communication (limit)", None, {"limit": True})]
+    for spec in codec_specs:
+        fixed = gradcomp.schemes.fixed_scheme(gradcomp.codec(spec))
+        schemes = [fixed] if fixed else ["allgather", "two-phase"]
+        out += [(f"{spec} {scheme}", spec, {"scheme": "auto" if fixed else scheme, "min_bucket_ratio": 0.0})
+                for scheme in schemes]
+        out.append((f"{spec} policy", spec, {"policy": "time"}))
+    return out
+
+
+def measure(rank: int, model_name: str, spec: str | None, options: dict, args) -> dict:
+    """One configuration on this rank: its step times (after the warm-up) and, under the policy, its decision."""
+    build, batch = MODELS[model_name]
+    torch.manual_seed(0)
+    model = build()
+    ddp = DistributedDataParallel(model)
+    state = None
+    if options.get("limit"):
+        ddp.register_comm_hook(None, no_communication)
+    elif spec is not None:
+        state = gradcomp.register(ddp, spec, start_iter=START_ITER, **options)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = batch(torch.Generator().manual_seed(rank))
+
+    def step():
+        loss = nn.functional.cross_entropy(ddp(x), y)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+
+    for _ in range(args.warmup):  # DDP's bucket rebuild, start_iter, the decision, the plans laid out
+        step()
+    times = []
+    for _ in range(args.steps):
+        dist.barrier()
+        started = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - started)
+    result = {"times": times}
+    if state is not None:
+        result["schemes"] = state.stats()["schemes"]
+        result["decision"] = state.stats()["decision"]
+    return result
+
+
+def rank_main(args) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://{SUBNET}.1:{args.port}", rank=args.rank,
+                            world_size=args.world)
+    try:
+        runs = []
+        for round_ in range(args.rounds):
+            for model_name in args.models:
+                for label, spec, options in configurations(args.codecs):
+                    mine = measure(args.rank, model_name, spec, options, args)
+                    gc.collect()  # the last configuration's model and state, before the next is built
+                    everyone = [None] * args.world
+                    dist.all_gather_object(everyone, mine)
+                    runs.append({"round": round_, "model": model_name, "config": label, "spec": spec,
+                                 "step_s": [max(r["times"][i] for r in everyone) for i in range(args.steps)],
+                                 "schemes": mine.get("schemes"), "decision": mine.get("decision")})
+                    if args.rank == 0:
+                        print(f"  round {round_} {model_name:9s} {label:32s} "
+                              f"{1e3 * statistics.median(runs[-1]['step_s']):9.1f} ms", flush=True)
+        if args.rank == 0:
+            with open(args.rank_out, "w") as f:
+                json.dump(runs, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_world(args, world: int, link: str) -> list:
+    rate = None if link == "unshaped" else link
+    with tempfile.TemporaryDirectory() as tmp, Namespaces("gcp", world, SUBNET, rate) as links:
+        out = os.path.join(tmp, "result.json")
+        environment = {**os.environ, "GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1"}
+        commands = [["ip", "netns", "exec", links.namespace(rank), sys.executable, os.path.abspath(__file__),
+                     "--rank", str(rank), "--world", str(world), "--port", "29410", "--rank-out", out,
+                     "--steps", str(args.steps), "--warmup", str(args.warmup), "--rounds", str(args.rounds),
+                     "--models", *args.models, "--codecs", *args.codecs] for rank in range(world)]
+        return run_rank_commands(commands, environment, out, args.timeout, f"{world} ranks, {link}")
+
+
+# -- the report --------------------------------------------------------------------------------------------------------
+
+def table_rows(runs: dict, codecs: list[str]) -> list[dict]:
+    """One row per (world, link, model, configuration): median over rounds, spread, ratios; the policy's rows with
+    its choices, every row with the policy's prediction of its exposed communication next to the measured one."""
+    rows = []
+    for (world, link), entries in runs.items():
+        for model_name in dict.fromkeys(e["model"] for e in entries):
+            mine = [e for e in entries if e["model"] == model_name]
+            medians = {}
+            for e in mine:
+                medians.setdefault(e["config"], []).append(statistics.median(e["step_s"]))
+            limit = statistics.median(medians["no communication (limit)"])
+            plain = statistics.median(medians["plain DDP"])
+            for spec in codecs:
+                policy = [e for e in mine if e["config"] == f"{spec} policy"]
+                predictions = [e["decision"]["predicted_exposed_s"] for e in policy if e["decision"]]
+                fixed_labels = [label for label, s, _ in configurations([spec]) if s == spec and "policy" not in label]
+                fastest_fixed = min(statistics.median(medians[label]) for label in fixed_labels + ["plain DDP"])
+                for label in ["plain DDP", *fixed_labels, f"{spec} policy"]:
+                    rounds = medians[label]
+                    median = statistics.median(rounds)
+                    option = ("plain" if label == "plain DDP" else "policy" if label.endswith("policy")
+                              else label.rsplit(" ", 1)[1])
+                    predicted = [p[option] for p in predictions if option in p]
+                    row = {"world": world, "link": link, "model": model_name, "codec": spec, "config": label,
+                           "median_ms": 1e3 * median, "rounds_ms": [1e3 * r for r in rounds],
+                           "spread": (max(rounds) - min(rounds)) / median, "vs_limit": median / limit,
+                           "vs_plain": median / plain, "vs_fastest_fixed": median / fastest_fixed,
+                           "measured_exposed_ms": 1e3 * (median - limit),
+                           "predicted_exposed_ms": 1e3 * statistics.median(predicted) if predicted else None,
+                           "choices": [e["schemes"] for e in policy] if label.endswith("policy") else None}
+                    rows.append(row)
+    return rows
+
+
+def summary(rows: list[dict]) -> dict:
+    policy = [r for r in rows if r["config"].endswith("policy")]
+    predicted = [r for r in rows if r["predicted_exposed_ms"] is not None and r["measured_exposed_ms"] > 0]
+    errors = [r["predicted_exposed_ms"] / r["measured_exposed_ms"] - 1 for r in predicted]
+    return {"cells": len(policy),
+            "policy_within_1.05x_fastest_fixed": sum(r["vs_fastest_fixed"] <= 1.05 for r in policy),
+            "policy_within_1.05x_plain": sum(r["vs_plain"] <= 1.05 for r in policy),
+            "largest_spread": max((r["spread"] for r in rows), default=None),
+            "predictions_within_25pct": sum(abs(e) <= 0.25 for e in errors), "predictions": len(errors)}
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = sorted({(r["world"], r["model"]) for r in rows})
+    links = [link for link in LINKS if any(r["link"] == link for r in rows)]
+    fig, axes = plt.subplots(len(cells), 1, figsize=(11, 3.2 * len(cells)), squeeze=False)
+    for ax, (world, model_name) in zip(axes[:, 0], cells):
+        labels = list(dict.fromkeys(r["config"] for r in rows if r["world"] == world and r["model"] == model_name))
+        width = 0.8 / len(links)
+        for j, link in enumerate(links):
+            values = {r["config"]: r["vs_limit"] for r in rows
+                      if (r["world"], r["model"], r["link"]) == (world, model_name, link)}
+            ax.bar([i + j * width for i in range(len(labels))], [values.get(label, 0) for label in labels], width,
+                   label=link)
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(labels))], labels, rotation=60, ha="right", fontsize=6)
+        ax.set(title=f"{model_name}, {world} ranks: step / no-communication limit", ylabel="x limit")
+        ax.axhline(1.0, color="black", lw=0.8)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--worlds", type=int, nargs="+", help="world sizes (default 2 4; --quick: 2)")
+    parser.add_argument("--links", nargs="+", choices=LINKS, help="default: all; --quick: 1gbit unshaped")
+    parser.add_argument("--models", nargs="+", choices=sorted(MODELS), help="default: both; --quick: mlp")
+    parser.add_argument("--codecs", nargs="+", help=f"default: {' '.join(CODECS)}")
+    parser.add_argument("--steps", type=int, default=6, help="timed steps per round")
+    parser.add_argument("--warmup", type=int, default=START_ITER + 2)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--timeout", type=float, default=7200, help="seconds for one world size and link")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--replot", action="store_true", help="the tables and plot again from --out's JSON")
+    parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
+    parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--world", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--rank-out", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.worlds = args.worlds or [2]
+        args.links = args.links or ["1gbit", "unshaped"]
+        args.models = args.models or ["mlp"]
+        args.codecs = args.codecs or ["signsgd", "topk:ratio=0.01"]
+        args.steps, args.rounds = min(args.steps, 3), min(args.rounds, 2)
+    args.worlds, args.links = args.worlds or [2, 4], args.links or LINKS
+    args.models, args.codecs = args.models or list(MODELS), args.codecs or CODECS
+    for spec in args.codecs:
+        try:
+            gradcomp.codec(spec)
+        except ValueError as error:
+            parser.error(str(error))
+    return args
+
+
+def report(rows: list[dict], stem: str, meta: dict) -> None:
+    print(f"\n{'ranks':>5} {'link':>8} {'model':>8} {'config':32} {'ms':>9} {'spread':>7} {'x limit':>8} "
+          f"{'x plain':>8} {'x best':>7} {'pred ms':>8} {'meas ms':>8}")
+    for r in rows:
+        predicted = f"{r['predicted_exposed_ms']:8.1f}" if r["predicted_exposed_ms"] is not None else f"{'-':>8}"
+        print(f"{r['world']:5d} {r['link']:>8} {r['model']:>8} {r['config']:32} {r['median_ms']:9.1f} "
+              f"{100 * r['spread']:6.1f}% {r['vs_limit']:8.2f} {r['vs_plain']:8.2f} {r['vs_fastest_fixed']:7.2f} "
+              f"{predicted} {r['measured_exposed_ms']:8.1f}" + (f"  {r['choices']}" if r["choices"] else ""))
+    totals = summary(rows)
+    print("\n" + json.dumps(totals))
+    write_results(stem, {**meta, "summary": totals, "rows": rows},
+                  [{k: (json.dumps(v) if isinstance(v, (dict, list)) else v) for k, v in r.items()} for r in rows])
+    plot(rows, stem + ".png")
+    print(f"wrote {stem}.json, .csv, .png")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.rank is not None:
+        finish_spawned_rank(args.rank, lambda _: rank_main(args))
+        return 0
+    stem = os.path.join(args.out, "policy_quick" if args.quick else "policy")
+    if args.replot:
+        with open(stem + ".json") as f:
+            saved = json.load(f)
+        report(saved["rows"], stem, {k: v for k, v in saved.items() if k not in ("rows", "summary")})
+        return 0
+    problem = shaping_problem()
+    if problem:
+        print(f"policy.py needs root to give every rank a namespace and a link of its own: {problem}. "
+              f"Nothing was measured.")
+        return 0
+    runs = {}
+    for world in args.worlds:
+        for link in args.links:
+            started = time.perf_counter()
+            runs[(world, link)] = run_world(args, world, link)
+            print(f"{world} ranks, {link}: {time.perf_counter() - started:.0f} s", flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    parameters = {name: sum(p.numel() for p in build().parameters()) for name, (build, _) in MODELS.items()}
+    report(table_rows(runs, args.codecs), stem,
+           {"machine": machine(), "parameters": parameters, "steps": args.steps, "warmup": args.warmup,
+            "rounds": args.rounds, "worlds": args.worlds, "links": args.links, "codecs": args.codecs,
+            "runs": [{"world": w, "link": link, **e} for (w, link), entries in runs.items() for e in entries]})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,533 @@
+"""policy="time": per bucket, the fastest way to send it (plain allreduce, or the codec under each scheme it can
+take), from a cost model measured on the job itself, never what the model predicts to be slower than plain DDP.
+
+The model
+    collectives: alpha + beta x bytes per kind (allreduce, all-gather, all-to-all, reduce-scatter) and level (the
+        whole group; inside a node and across nodes where the ranks form several nodes of several), fitted to the
+        plain warm-up steps' own allreduces of the real buckets and to a few probes of each kind at the decision;
+    kernels: the codec's encode and decode (PowerSGD: its round trip) as fixed + per-element seconds, timed at the
+        decision on the real gradient in hand, on this device and dtype;
+    overlap with backward: DDP launches bucket i when backward has produced it, at offset r_i after the first (the
+        warm-up steps' hook calls). Collectives go one at a time in launch order (where the backend runs several at
+        once they share the link, which ends the last of them no sooner); a bucket's encode runs on the
+        hook's thread (the backward's stream on a GPU), so it delays the buckets after it. What a step costs beyond
+        backward without communication (its exposed time) is a queue:
+            ready_i = r_i + the encodes before i;   start_i = max(ready_i + encode_i, end_(i-1));
+            end_i = start_i + wire_i + decode_i;    exposed = end_last - r_last.
+        A bucket whose communication hides behind later buckets' backward gains nothing from compression, and the
+        choice leaves it plain.
+The decision, at the first step after the warm-up: every rank measures; one allreduce (MAX: the slowest rank sets
+the pace) combines the measurements; every rank then chooses from the same numbers by the same arithmetic: per
+bucket the option with the least encode + wire + decode where it beats plain by MARGIN, then, bucket by bucket,
+the option that shortens the exposed time most given the others (two passes). The choice stands only where its
+exposed time beats all-plain's by MARGIN; else every bucket goes plain. It is kept in the state (a resumed run
+repeats it) and taken anew every `remeasure_every` steps where that is set.
+On a GPU every time is a pair of CUDA events, read at the decision (one sync), none per step.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .codecs import chunk_bounds
+from .powersgd import PowerSGD
+from .schemes import AllreduceBucket, PowerSGDBucket
+from .schemes.hierarchical import inner_plan_class
+
+POLICIES = ("codec", "time")
+MARGIN = 0.05  # an option replaces plain only where the model predicts it at least this much faster
+KINDS = ("allreduce", "all-gather", "all-to-all", "reduce-scatter")
+PROBE_BYTES = (1 << 10, 1 << 14, 1 << 18, 1 << 21, 1 << 23)  # probes up to the largest bucket, at most 8 MiB
+PROBE_REPEATS = 2  # after one untimed run; the least is kept (the others met noise)
+
+
+def check_policy(policy, start_iter: int, start_codec, min_bucket_ratio: float) -> str:
+    if policy not in POLICIES:
+        raise ValueError(f"gradcomp: policy={policy!r}; valid: {', '.join(map(repr, POLICIES))} ('codec': every "
+                         f"bucket under the codec, as the scheme option says; 'time': per bucket the fastest of plain "
+                         f"allreduce and the codec's schemes, from the job's measured links and kernels)")
+    if policy == "time":
+        if start_iter < 2:
+            raise ValueError(f"gradcomp: policy='time' measures the links and the backward during the plain warm-up "
+                             f"steps after DDP's first one; start_iter={start_iter} leaves none: give start_iter >= 2")
+        if start_codec is not None:
+            raise ValueError("gradcomp: policy='time' times the backward during plain warm-up steps; a start_codec "
+                             "would change them: leave start_codec=None")
+        if min_bucket_ratio != 1.0:
+            raise ValueError(f"gradcomp: min_bucket_ratio={min_bucket_ratio!r} decides by bytes under policy='codec'; "
+                             f"policy='time' decides by predicted time: leave min_bucket_ratio at 1.0")
+    return policy
+
+
+@dataclass
+class Line:
+    """fixed + per_unit x units (seconds)."""
+
+    fixed: float = 0.0
+    per_unit: float = 0.0
+
+    def __call__(self, units: float) -> float:
+        return self.fixed + self.per_unit * units
+
+    @classmethod
+    def fit(cls, points) -> "Line":
+        """The line through (units, seconds) points by least relative squares (small sizes count as much as large
+        ones), with neither term below 0."""
+        points = [(float(x), float(t)) for x, t in points if x > 0 and t > 0]
+        if not points:
+            return cls()
+        if len({x for x, _ in points}) < 2:
+            return cls(0.0, min(t / x for x, t in points))
+        w = [1.0 / (t * t) for _, t in points]
+        sw = sum(w)
+        sx, st = sum(wi * x for wi, (x, _) in zip(w, points)), sum(wi * t for wi, (_, t) in zip(w, points))
+        sxx = sum(wi * x * x for wi, (x, _) in zip(w, points))
+        sxt = sum(wi * x * t for wi, (x, t) in zip(w, points))
+        slope = (sw * sxt - sx * st) / (sw * sxx - sx * sx)
+        fixed = (st - slope * sx) / sw
+        if slope < 0:
+            return cls(st / sw, 0.0)
+        if fixed < 0:
+            return cls(0.0, sxt / sxx)
+        return cls(fixed, slope)
+
+
+@dataclass(frozen=True)
+class Cost:
+    """An option's seconds for one bucket: encode (on the hook's thread, before its collectives), wire (the
+    collectives) and decode (after them)."""
+
+    encode: float
+    wire: float
+    decode: float
+
+    @property
+    def total(self) -> float:
+        return self.encode + self.wire + self.decode
+
+
+class CostModel:
+    """Collectives per (level, kind) and the codec's kernels, as Lines; and what each option costs a bucket."""
+
+    def __init__(self, links: dict[str, Line], kernels: dict[str, Line]):
+        self.links, self.kernels = links, kernels  # links: "level/kind" -> seconds for bytes per rank
+
+    def link(self, level: str, kind: str, nbytes: float) -> float:
+        return self.links[f"{level}/{kind}"](nbytes) if nbytes > 0 else 0.0
+
+    def kernel(self, name: str, elements: float, calls: int = 1) -> float:
+        line = self.kernels.get(name, Line())
+        return calls * line.fixed + line.per_unit * elements
+
+    def to_dict(self) -> dict:
+        return {"links": {k: [v.fixed, v.per_unit] for k, v in self.links.items()},
+                "kernels": {k: [v.fixed, v.per_unit] for k, v in self.kernels.items()}}
+
+    @classmethod
+    def from_dict(cls, saved: dict) -> "CostModel":
+        return cls({k: Line(*v) for k, v in saved["links"].items()}, {k: Line(*v) for k, v in saved["kernels"].items()})
+
+    def flat(self, scheme: str, codec, shapes, numel: int, dtype: torch.dtype, ranks: int, level: str) -> Cost:
+        """A bucket under a flat scheme among `ranks` ranks at `level`."""
+        if ranks == 1:
+            return Cost(0.0, 0.0, 0.0)
+        if scheme == "plain":
+            return Cost(0.0, self.link(level, "allreduce", numel * dtype.itemsize), 0.0)
+        if scheme == "powersgd":
+            p, q = PowerSGDBucket.summed_numels(codec, shapes)
+            wire = self.link(level, "allreduce", 4 * p) + self.link(level, "allreduce", 4 * q)
+            return Cost(0.0, wire, self.kernel("powersgd", numel * codec.rank))
+        encode, decode = self.kernel("encode", numel), self.kernel("decode", numel)
+        if scheme == "allreduce":
+            return Cost(encode, self.link(level, "allreduce", AllreduceBucket.summed_bytes(codec, numel, dtype)), decode)
+        if scheme == "allgather":
+            wire = self.link(level, "all-gather", codec.payload_nbytes(numel, dtype))
+            return Cost(encode, wire, self.kernel("decode", ranks * numel))
+        if scheme == "two-phase":
+            sizes = [codec.payload_nbytes(end - start, dtype) for start, end in chunk_bounds(numel, ranks)]
+            wire = self.link(level, "all-to-all", sum(sizes)) + self.link(level, "all-gather", max(sizes))
+            owner = self.kernel("decode", numel) + self.kernel("encode", math.ceil(numel / ranks))
+            return Cost(self.kernel("encode", numel, calls=ranks), wire, owner + self.kernel("decode", numel))
+        raise ValueError(f"gradcomp: no cost for scheme {scheme!r}")
+
+    def hierarchical(self, codec, shapes, numel: int, dtype: torch.dtype, world: int, node_size: int) -> Cost:
+        """The reduce-scatter inside the node (waited for on the hook's thread), the codec's exchange of a 1/L shard
+        across nodes, the all-gather inside the node."""
+        nodes, shard = world // node_size, math.ceil(numel / node_size)
+        scatter = self.link("inside", "reduce-scatter", node_size * shard * dtype.itemsize)
+        gather = self.link("inside", "all-gather", shard * dtype.itemsize)
+        inner_scheme = inner_plan_class(codec, shard, dtype, nodes).scheme
+        if inner_scheme == "powersgd":  # its shards are groups of whole parameters: about 1/L of the bucket each
+            whole = self.flat(inner_scheme, codec, shapes, numel, dtype, nodes, "across")
+            inner = Cost(0.0, whole.wire / node_size, whole.decode / node_size)
+        else:
+            inner = self.flat(inner_scheme, codec, None, shard, dtype, nodes, "across")
+        return Cost(scatter + inner.encode, inner.wire + gather, inner.decode)
+
+
+def candidates(codec, scheme_option: str, two_levels: bool) -> list[str]:
+    """The options of each bucket: plain, and the schemes the codec can take that the scheme option allows."""
+    if isinstance(codec, PowerSGD):
+        flat = ["powersgd"]
+    elif codec.collective == "allreduce":
+        flat = ["allreduce"]
+    else:
+        flat = ["allgather", "two-phase"]
+    if scheme_option in ("allgather", "two-phase"):
+        flat = [scheme_option]
+    options = ["plain"]
+    if scheme_option != "hierarchical" or not two_levels:
+        options += flat
+    if two_levels and scheme_option in ("auto", "hierarchical"):
+        options.append("hierarchical")
+    return options
+
+
+def option_costs(model: CostModel, options, codec, shapes, dtype: torch.dtype, world: int, node_size) -> dict:
+    numel = sum(torch.Size(s).numel() for s in shapes)
+    return {o: (model.hierarchical(codec, shapes, numel, dtype, world, node_size) if o == "hierarchical"
+                else model.flat(o, codec, shapes, numel, dtype, world, "world")) for o in options}
+
+
+def exposed(ready: list[float], costs: list[Cost]) -> float:
+    """Seconds a step spends beyond backward without communication (the queue in the module's docstring); ready:
+    each bucket's offset after the first, in launch order."""
+    if not costs:
+        return 0.0
+    delay, free = 0.0, -math.inf
+    for offset, cost in zip(ready, costs):
+        start = max(offset + delay + cost.encode, free)
+        delay += cost.encode
+        free = start + cost.wire + cost.decode
+    return max(free - ready[-1], 0.0)
+
+
+def choose(ready: list[float], options: list[dict]) -> list[str]:
+    """Per bucket the option name (see the module's docstring); options: per bucket {name: Cost}, "plain" in each."""
+    choice = []
+    for costs in options:
+        best = min(costs, key=lambda o: costs[o].total)
+        choice.append(best if costs[best].total < (1 - MARGIN) * costs["plain"].total else "plain")
+
+    def predicted(names):
+        return exposed(ready, [costs[n] for costs, n in zip(options, names)])
+
+    for _ in range(2):
+        for i, costs in enumerate(options):
+            current = predicted(choice)
+            for name in costs:
+                trial = choice[:i] + [name] + choice[i + 1:]
+                if predicted(trial) < current * (1 - 1e-9):
+                    choice, current = trial, predicted(trial)
+            if choice[i] != "plain":  # plain unless the bucket's option itself shortens the step by MARGIN
+                plain = choice[:i] + ["plain"] + choice[i + 1:]
+                if predicted(plain) <= current + MARGIN * options[i]["plain"].total:
+                    choice = plain
+    plain = ["plain"] * len(options)
+    return choice if predicted(choice) < (1 - MARGIN) * predicted(plain) else plain
+
+
+# -- measuring ---------------------------------------------------------------------------------------------------
+
+
+class Clock:
+    """Host seconds on the CPU; CUDA events on a GPU, read at the decision (one sync)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, start, end) -> float:
+        return start.elapsed_time(end) / 1e3 if self.cuda else end - start
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+
+class WarmupTimings:
+    """What the plain warm-up steps show: when each bucket's hook was called (backward's progress), and each plain
+    allreduce from its launch to its completion. Kept in memory only: a decision is taken once, and saved."""
+
+    def __init__(self):
+        self.clock = None
+        self.steps: dict[int, list] = {}  # step -> [(bucket index, mark)] in launch order
+        self.allreduces: dict[int, list] = {}  # step -> [(bytes, launch mark, [completion mark])]
+
+    def bucket_called(self, step: int, index: int, device: torch.device) -> None:
+        if self.clock is None:
+            self.clock = Clock(device)
+        self.steps.setdefault(step, []).append((index, self.clock.mark()))
+
+    def allreduce_launched(self, step: int, nbytes: int):
+        """Returns what the allreduce's completion callback calls (on the stream that waits for it, on a GPU)."""
+        if self.clock is None or step not in self.steps:
+            return lambda: None
+        entry = (nbytes, self.clock.mark(), [])
+        self.allreduces.setdefault(step, []).append(entry)
+        return lambda: entry[2].append(self.clock.mark())
+
+    def ready_offsets(self, indices: list[int]) -> list[float] | None:
+        """Per bucket (in the order given), the median over the warm-up steps of its hook call after the first's;
+        None where no step called every one of them."""
+        offsets = []
+        for marks in self.steps.values():
+            by_index = dict(marks)
+            if set(indices) <= set(by_index):
+                first = marks[0][1]
+                offsets.append([self.clock.seconds(first, by_index[i]) for i in indices])
+        if not offsets:
+            return None
+        return [statistics.median(column) for column in zip(*offsets)]
+
+    def allreduce_points(self) -> list[tuple[int, float]]:
+        """(bytes, seconds) of each warm-up allreduce that had the link to itself: launched after the one before had
+        completed, and completed before the next was launched (gloo runs collectives on several threads at once, and
+        NCCL's overlap as well; overlapping ones share the link, and their times say nothing of one alone)."""
+        points = []
+        for step, entries in self.allreduces.items():
+            origin = self.steps[step][0][1]
+            since = lambda mark: self.clock.seconds(origin, mark)  # noqa: E731
+            spans = [(nbytes, since(launched), since(done[0])) for nbytes, launched, done in entries if done]
+            for i, (nbytes, start, end) in enumerate(spans):
+                alone = (i == 0 or spans[i - 1][2] <= start) and (i + 1 == len(spans) or end <= spans[i + 1][1])
+                if alone and end > start:
+                    points.append((nbytes, end - start))
+        return points
+
+
+class DryStep:
+    """What a bucket plan's launch needs of the hook's Step, with local copies for collectives: a launch on it times
+    the plan's kernels and everything the hook does around them, on this device, without the network. Each "rank"
+    receives what this rank sends (as if every rank held its gradient). `marks` gets the clock's mark when the first
+    collective is issued: the encode ends there."""
+
+    def __init__(self, world: int, rank: int, nodes, clock: Clock, marks: list | None = None):
+        self.world, self.rank, self.step, self.nodes, self.clock = world, rank, 0, nodes, clock
+        self.decode_status, self.counts_nonfinite = None, False
+        self.marks = [] if marks is None else marks
+
+    def on(self, group, world: int, rank: int) -> "DryStep":
+        return DryStep(world, rank, self.nodes, self.clock, self.marks)
+
+    def add(self, key: str, value: float) -> None:
+        pass
+
+    def count_nonfinite(self, finite: torch.Tensor) -> None:
+        pass
+
+    @staticmethod
+    def new_future(device: torch.device) -> torch.futures.Future:
+        return torch.futures.Future(devices=[device]) if device.type == "cuda" else torch.futures.Future()
+
+    def _done(self, value, device) -> torch.futures.Future:
+        if not self.marks:
+            self.marks.append(self.clock.mark())
+        future = self.new_future(device)
+        future.set_result(value)
+        return future
+
+    def allreduce(self, tensor: torch.Tensor) -> torch.futures.Future:
+        return self._done([tensor], tensor.device)
+
+    def all_gather(self, out: torch.Tensor, tensor: torch.Tensor) -> torch.futures.Future:
+        out.view(self.world, -1).copy_(tensor.reshape(1, -1).expand(self.world, -1))
+        return self._done([out], out.device)
+
+    def all_to_all(self, out: torch.Tensor, tensor: torch.Tensor, out_splits, in_splits) -> torch.futures.Future:
+        start = sum(in_splits[: self.rank])
+        mine = tensor[start: start + in_splits[self.rank]]
+        out.view(self.world, -1).copy_(mine.reshape(1, -1).expand(self.world, -1))
+        return self._done([out], out.device)
+
+    def reduce_scatter_now(self, out: torch.Tensor, tensor: torch.Tensor) -> None:
+        self._done(None, out.device)
+        out.copy_(tensor.view(self.world, -1)[self.rank])
+
+    def chain_in_order(self, first, prepare, second, callback, result, device, round_: int = 1) -> None:
+        try:
+            done = first()
+            prepare(done)
+            callback(second())
+        except BaseException as error:  # noqa: BLE001 - ends in result, as the hook's Step does
+            if not result.done():
+                result.set_exception(error)
+
+
+def time_plan(plan, sample: torch.Tensor, world: int, rank: int, nodes, clock: Clock, repeats: int = 2):
+    """(encode, decode) seconds of plan's launch on a copy of sample (tiled to the bucket's size), collectives
+    local (DryStep): the least of `repeats` runs after an untimed one."""
+    flat = sample.detach().reshape(-1)
+    flat = flat.repeat(math.ceil(plan.numel / max(flat.numel(), 1)))[: plan.numel]
+    runs = []
+    for _ in range(repeats + 1):
+        data = flat.clone()
+        views = [part.view(shape) for part, shape in zip(data.split([s.numel() for s in plan.shapes]), plan.shapes)]
+        step = DryStep(world, rank, nodes, clock)
+        start = clock.mark()
+        plan.launch(step, data, views).wait()
+        runs.append((start, step.marks[0] if step.marks else None, clock.mark()))
+    return runs[1:]
+
+
+def _probe(group, kind: str, nbytes: int, device: torch.device, clock: Clock) -> tuple:
+    """Marks around PROBE_REPEATS runs of one collective of nbytes per rank (after one untimed)."""
+    world = dist.get_world_size(group)
+    nbytes = max(world * 4, nbytes - nbytes % (world * 4))
+    data = torch.zeros(nbytes // 4, dtype=torch.float32, device=device)
+    if kind == "allreduce":
+        run = lambda: dist.all_reduce(data, group=group, async_op=True)  # noqa: E731
+    elif kind == "all-gather":
+        out = torch.empty(world * data.numel(), dtype=data.dtype, device=device)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # as the schemes call it
+        run = lambda: gather(out, data, group=group, async_op=True)  # noqa: E731
+    elif kind == "all-to-all":
+        out = torch.empty_like(data)
+        run = lambda: dist.all_to_all_single(out, data, group=group, async_op=True)  # noqa: E731
+    else:
+        out = torch.empty(data.numel() // world, dtype=data.dtype, device=device)
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        run = lambda: scatter(out, data, group=group, async_op=True)  # noqa: E731
+    run().wait()
+    marks = []
+    for _ in range(PROBE_REPEATS):
+        start = clock.mark()
+        run().wait()
+        marks.append((start, clock.mark()))
+    return nbytes, marks
+
+
+def measure_links(needed: dict[str, list[str]], groups: dict, largest: int, device: torch.device, clock: Clock,
+                  warmup_points: list) -> dict[str, Line]:
+    """Lines for each level's needed kinds: probes at PROBE_BYTES up to the largest bucket (every rank in the same
+    order), and the warm-up's own allreduces of the whole group."""
+    sizes = sorted({min(b, max(largest, PROBE_BYTES[0])) for b in PROBE_BYTES})
+    marks = {}
+    for level, kinds in needed.items():
+        for kind in kinds:
+            marks[f"{level}/{kind}"] = [_probe(groups[level], kind, size, device, clock) for size in sizes]
+    clock.sync()
+    lines = {}
+    for key, probes in marks.items():
+        points = [(nbytes, min(clock.seconds(a, b) for a, b in runs)) for nbytes, runs in probes]
+        if key == "world/allreduce":
+            points += warmup_points
+        lines[key] = Line.fit(points)
+    return lines
+
+
+def measure_kernels(codec, sample: torch.Tensor, largest: int, clock: Clock) -> dict[str, Line]:
+    """The codec's kernels timed at two sizes (the largest bucket and 1/64 of it), on the gradient in hand tiled to
+    those sizes: encode and decode for the wire-format codecs, the round trip for powersgd."""
+    sizes = sorted({max(1, largest // 64), max(largest, 1)})
+    flat = sample.detach().reshape(-1)
+    if flat.numel() == 0:
+        flat = torch.ones(1, dtype=sample.dtype, device=sample.device)
+    marks: dict[str, list] = {}
+    for size in sizes:
+        data = flat.repeat(math.ceil(size / flat.numel()))[:size].clone()
+        for name, run in _kernel_runs(codec, data).items():
+            run()
+            start = clock.mark()
+            run()
+            marks.setdefault(name, []).append((size, start, clock.mark()))
+    clock.sync()
+    units = codec.rank if isinstance(codec, PowerSGD) else 1
+    return {name: Line.fit([(size * units, clock.seconds(a, b)) for size, a, b in runs]) for name, runs in marks.items()}
+
+
+def _kernel_runs(codec, data: torch.Tensor) -> dict:
+    if isinstance(codec, PowerSGD):
+        rows = max(1, int(math.sqrt(data.numel())))
+        matrix = data[: rows * (data.numel() // rows)].view(rows, -1)
+        q = torch.randn(matrix.shape[1], codec.rank, device=data.device)
+        return {"powersgd": lambda: codec.roundtrip(matrix, None, q)}
+    residual = torch.zeros_like(data) if codec.error_feedback else None
+    payload = codec.encode(data, None if residual is None else residual.clone())
+    out = torch.empty_like(data)
+    return {"encode": lambda: codec.encode(data, None if residual is None else residual.clone()),
+            "decode": lambda: codec.decode_sum(payload.view(1, -1), out, 1.0)}
+
+
+def needed_links(options, codec) -> dict[str, list[str]]:
+    """The (level, collective kinds) the options' costs read, in one order on every rank."""
+    kinds = {"plain": {"allreduce"}, "allreduce": {"allreduce"}, "powersgd": {"allreduce"},
+             "allgather": {"all-gather"}, "two-phase": {"all-to-all", "all-gather"}}
+    needed = {"world": [k for k in KINDS if any(k in kinds.get(o, ()) for o in options)]}
+    if "hierarchical" in options:
+        needed["inside"] = ["all-gather", "reduce-scatter"]
+        summable = isinstance(codec, PowerSGD) or codec.collective == "allreduce"
+        needed["across"] = ["allreduce"] if summable else ["all-gather", "all-to-all"]
+    return needed
+
+
+def combine(model: CostModel, ready: list[float] | None, buckets: int, group, device: torch.device):
+    """Every rank's measurements, the largest of each (the slowest rank sets the pace): one allreduce, after which
+    every rank holds the same numbers. Returns (model, ready), ready None where any rank lacks it."""
+    links, kernels = sorted(model.links), sorted(model.kernels)
+    values = [x for key in links for x in (model.links[key].fixed, model.links[key].per_unit)]
+    values += [x for key in kernels for x in (model.kernels[key].fixed, model.kernels[key].per_unit)]
+    values += [1.0 if ready is None else 0.0, *(ready if ready is not None else [0.0] * buckets)]
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    values = tensor.cpu().tolist()
+    lines = [Line(values[2 * i], values[2 * i + 1]) for i in range(len(links) + len(kernels))]
+    combined = CostModel(dict(zip(links, lines[:len(links)])), dict(zip(kernels, lines[len(links):])))
+    missing, offsets = values[2 * len(lines)], values[2 * len(lines) + 1:]
+    return combined, (None if missing else offsets)
+
+
+# -- the decision, and how it reads -------------------------------------------------------------------------------
+
+
+def decide(model: CostModel, ready: list[float] | None, buckets: list[dict], codec, scheme_option: str, world: int,
+           node_size: int | None, step: int) -> dict:
+    """The decision for buckets ({"index", "shapes", "dtype"} in launch order): JSON-able, kept in the state."""
+    options = candidates(codec, scheme_option, node_size is not None)
+    overlap = ready is not None
+    ready = ready if overlap else [0.0] * len(buckets)
+    costs = [option_costs(model, options, codec, b["shapes"], b["dtype"], world, node_size) for b in buckets]
+    choice = choose(ready, costs)
+    fixed = {o: exposed(ready, [c[o] for c in costs]) for o in options}
+    return {
+        "step": step, "world_size": world, "node_size": node_size, "overlap_measured": overlap,
+        "model": model.to_dict(), "options": options,
+        "buckets": [{"index": b["index"], "elements": sum(torch.Size(s).numel() for s in b["shapes"]),
+                     "bytes": sum(torch.Size(s).numel() for s in b["shapes"]) * b["dtype"].itemsize,
+                     "ready_s": r, "choice": name,
+                     "predicted_s": {o: [c.encode, c.wire, c.decode] for o, c in cost.items()}}
+                    for b, r, cost, name in zip(buckets, ready, costs, choice)],
+        "predicted_exposed_s": {"policy": exposed(ready, [c[n] for c, n in zip(costs, choice)]), **fixed},
+    }
+
+
+def explain(decision: dict | None, spec: str) -> str:
+    """The decision as a table: per bucket its size, each option's predicted seconds, the choice; then each fixed
+    option's and the policy's predicted exposed communication per step."""
+    if decision is None:
+        return f"gradcomp {spec}, policy='time': no decision yet (taken at the first step after the warm-up)"
+    options = decision["options"]
+    lines = [f"gradcomp {spec}, policy='time': decided at step {decision['step']} on {decision['world_size']} ranks"
+             + (f" ({decision['node_size']} per node)" if decision["node_size"] else "")
+             + ("" if decision["overlap_measured"] else "; overlap with backward not measured (assumed none)"),
+             f"{'bucket':>6} {'MB':>8} " + " ".join(f"{o + ' ms':>16}" for o in options) + "  choice"]
+    for bucket in decision["buckets"]:
+        times = " ".join(f"{sum(bucket['predicted_s'][o]) * 1e3:16.2f}" for o in options)
+        lines.append(f"{bucket['index']:>6} {bucket['bytes'] / 1e6:8.2f} {times}  {bucket['choice']}")
+    predicted = decision["predicted_exposed_s"]
+    lines.append("predicted communication per step beyond backward (ms): "
+                 + ", ".join(f"{o} {predicted[o] * 1e3:.2f}" for o in [*options, "policy"]))
+    return "\n".join(lines)

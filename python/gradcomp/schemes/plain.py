@@ -1,0 +1,69 @@
+"""The plain scheme: a bucket the time policy (gradcomp.policy) sends uncompressed, as plain DDP does
+(grad / W, one ring allreduce).
+
+Error feedback across a switch: a bucket that was compressed before (a decision taken anew, or a
+checkpoint's residuals of its parameters) holds what its codec had not yet sent. The plain bucket takes
+that residual over and sends gradient + residual once, in full precision; the residual then becomes 0
+(kept as before when the step's data is not finite, like every scheme's), so nothing is lost. A bucket
+plain from the start keeps no residual at all."""
+
+from __future__ import annotations
+
+import torch
+
+from .._futures import value_or_raise
+from .._tensors import check_saved_tensors, keep_if_finite
+from .base import ResidualPlan, ring_allreduce_bytes
+
+
+class PlainBucket(ResidualPlan):
+    scheme = "plain"
+
+    def __init__(self, codec, index: int, keys, shapes, dtype: torch.dtype, device, *, world: int = 1, rank: int = 0):
+        super().__init__(codec, index, keys, shapes, dtype, device, world=world, rank=rank)
+        self.residual = None  # only to carry over what a compressed bucket left (take)
+
+    @staticmethod
+    def expected_sent(codec, numel: int, dtype: torch.dtype, world: int) -> int:
+        return ring_allreduce_bytes(numel * dtype.itemsize, world)
+
+    def traffic(self, world: int, rank: int) -> tuple[int, int]:
+        sent = self.expected_sent(self.codec, self.numel, self.dtype, world)
+        return sent, sent
+
+    def payload_bytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    def take(self, pool: dict) -> None:
+        """The residuals of its parameters that a compressed bucket left, to send with the next step."""
+        carried = {key: pool.pop(key) for key, _, _ in self._offsets() if "residual" in pool.get(key, {})}
+        if not carried:
+            return
+        device = next(iter(carried.values()))["residual"].device
+        self.residual = torch.zeros(self.numel, dtype=self.dtype, device=device)
+        for key, offset, count in self._offsets():
+            piece = carried.get(key, {}).get("residual")
+            if piece is not None and piece.numel() == count:
+                self.residual[offset: offset + count].copy_(piece.reshape(-1))
+
+    def launch(self, step, flat: torch.Tensor, views) -> torch.futures.Future:
+        work = self._working_residual()
+        if work is not None:  # gradient + residual, once; the residual is then spent
+            flat.add_(work)
+            work.zero_()
+        flat.div_(step.world)
+        summed = step.allreduce(flat)
+
+        def finish(done):
+            value_or_raise(done)
+            if work is not None:
+                self.residual, self._spare = keep_if_finite(torch.isfinite(flat).all(), work, self.residual)
+            return flat
+
+        return summed.then(finish)
+
+    def load_tensors(self, tensors: dict) -> None:
+        residual = tensors.get("residual") if isinstance(tensors, dict) else None
+        expected = {"residual": ((self.numel,), self.dtype) if residual is not None else (None, None)}
+        check_saved_tensors(tensors, expected, self.index)
+        self.residual = None if residual is None else residual.clone()

@@ -1,0 +1,112 @@
+"""What each rank runs in test_policy.py: policy="time" on the small MLP, with what each rank sent and what DDP applied
+per step, and every decision taken. Where a test needs given decisions, gradcomp.policy.choose is replaced by a
+schedule: one list of option names per decision, cycled over the buckets."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+import gradcomp
+import gradcomp.policy as time_policy
+from ddp_scenarios import make_model, train, wrap
+from reliability_scenarios import residuals_per_parameter
+
+
+def scheduled(schedule):
+    """A stand-in for time_policy.choose that returns schedule's next entry (the last one from then on)."""
+    taken = []
+
+    def choose(ready, options):
+        names = schedule[min(len(taken), len(schedule) - 1)]
+        taken.append(names)
+        return [names[i % len(names)] for i in range(len(options))]
+
+    return choose
+
+
+def skewed(rank: int, skew: float, seen: list):
+    """Stand-ins for the measurements that make each rank's differ (x 1 + skew x rank), recording them as measured."""
+    measure_links, measure_kernels = time_policy.measure_links, time_policy.measure_kernels
+
+    def scaled(lines):
+        lines = {k: time_policy.Line(v.fixed * (1 + skew * rank), v.per_unit * (1 + skew * rank)) for k, v in
+                 lines.items()}
+        seen.append({k: [v.fixed, v.per_unit] for k, v in lines.items()})
+        return lines
+
+    return (lambda *args: scaled(measure_links(*args)), lambda *args: scaled(measure_kernels(*args)))
+
+
+def recorded(rank, world, spec, options, steps, schedule=None, skew=None):
+    """Trains steps under policy="time" (options: more of the state's). Returns this rank's gradient into the hook and
+    DDP's applied gradient per step and parameter, its residuals at the end (reliability_scenarios'), every decision,
+    the measurements before they were combined (skew: each rank's scaled, see skewed), and the final parameters."""
+    if schedule is not None:
+        time_policy.choose = scheduled(schedule)
+    seen: list = []
+    if skew is not None:
+        time_policy.measure_links, time_policy.measure_kernels = skewed(rank, skew, seen)
+    decisions = []
+    decide = time_policy.decide
+    time_policy.decide = lambda *args: decisions.append(decide(*args)) or decisions[-1]
+    model = make_model("mlp")
+    ddp = wrap(model)
+    state = gradcomp.CompressionState(spec, model=model, policy="time", **options)
+    sent: list[dict] = []
+
+    def hook(state, bucket):
+        keys = [state._param_keys[id(p)] for p in bucket.parameters()]
+        sent[-1].update({k: g.detach().clone().reshape(-1) for k, g in zip(keys, bucket.gradients())})
+        return gradcomp.hook(state, bucket)
+
+    ddp.register_comm_hook(state, hook)
+    applied = []
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    original_zero = optimizer.zero_grad
+
+    def record(step):
+        applied.append([p.grad.detach().clone().reshape(-1) for p in model.parameters()])
+
+    def zero_grad(*args, **kwargs):
+        sent.append({})
+        return original_zero(*args, **kwargs)
+
+    sent.append({})
+    optimizer.zero_grad = zero_grad
+    train(ddp, optimizer, steps, rank, record=record)
+    residual, owner = residuals_per_parameter(state)
+    count = len(list(model.parameters()))
+    return {"sent": [[s[k] for k in range(count)] for s in sent[:steps]], "applied": applied,
+            "residual": [residual.get(k) for k in range(count)], "owner": [owner.get(k) for k in range(count)],
+            "schemes_at_end": {p.index: p.scheme for p in state._plans.values()}, "decisions": decisions,
+            "measured": seen, "explain": state.explain(), "stats": state.stats(),
+            "params": [p.detach().clone() for p in model.parameters()]}
+
+
+def resume(rank, world, spec, options, total, split, workdir, phase, schedule):
+    """phase "whole": total steps; phase "first": split steps, then the model and this rank's state saved in workdir;
+    phase "rest": a fresh model and state loaded from there, the remaining steps. choose follows schedule (a resumed
+    run after the decision must not call it). Returns the final parameters and the choices taken in this process."""
+    schedule_taken = scheduled(schedule)
+    calls = []
+    time_policy.choose = lambda ready, options_: calls.append(1) or schedule_taken(ready, options_)
+    model = make_model("mlp")
+    path = os.path.join(workdir, f"rank{rank}.pt")
+    first = 0
+    if phase == "rest":
+        saved = torch.load(path, weights_only=False)
+        model.load_state_dict(saved["model"])
+        first = saved["step"]
+    ddp = wrap(model)
+    state = gradcomp.register(ddp, spec, policy="time", **options)
+    if phase == "rest":
+        state.load_state_dict(saved["state"])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    steps = {"whole": total, "first": split, "rest": total - split}[phase]
+    train(ddp, optimizer, steps, rank, first_step=first)
+    if phase == "first":
+        torch.save({"model": model.state_dict(), "state": state.state_dict(), "step": split}, path)
+    return {"params": [p.detach().clone() for p in model.parameters()], "choose_calls": len(calls),
+            "schemes": {p.index: p.scheme for p in state._plans.values()}}

@@ -1,0 +1,188 @@
+"""policy="time": the cost model's arithmetic against hand-worked cases, the choice (never predicted slower than
+plain DDP, plain where communication hides behind backward), one decision on every rank even when their measurements
+differ, resume repeating the decision and the run bit for bit, error feedback across switches between plain and
+compressed (nothing lost), and the refusals."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+import gradcomp
+import gradcomp.policy as time_policy
+import gradcomp.schemes
+import policy_scenarios as scenarios
+from ddp_harness import run_ranks, unwrap
+from gradcomp.policy import Cost, CostModel, Line
+
+# -- the model's arithmetic ----------------------------------------------------------------------------------------
+
+
+def test_a_line_is_fitted_through_exact_points_and_never_below_zero():
+    line = Line.fit([(1e3, 2e-4 + 1e3 * 3e-9), (1e5, 2e-4 + 1e5 * 3e-9), (1e7, 2e-4 + 1e7 * 3e-9)])
+    assert line.fixed == pytest.approx(2e-4, rel=1e-6) and line.per_unit == pytest.approx(3e-9, rel=1e-6)
+    falling = Line.fit([(1e3, 5e-3), (1e6, 1e-3)])  # noise can make larger messages look faster
+    assert falling.per_unit == 0 and falling.fixed > 0
+    through_zero = Line.fit([(1e3, 1e-6), (1e6, 1e-2)])  # a negative intercept is clamped to zero
+    assert through_zero.fixed == 0 and through_zero.per_unit > 0
+    assert Line.fit([(4096, 1e-3)]) == Line(0.0, 1e-3 / 4096)
+
+
+def test_the_exposed_time_is_the_queue_of_collectives_after_backward():
+    # Three buckets ready at 0, 10 and 20 ms; each sends for 8 ms: the first two hide behind backward, the last
+    # is exposed whole.
+    costs = [Cost(0.0, 0.008, 0.0)] * 3
+    assert time_policy.exposed([0.0, 0.010, 0.020], costs) == pytest.approx(0.008)
+    # 15 ms each: they queue; the last ends at 45 ms, 25 ms after backward.
+    assert time_policy.exposed([0.0, 0.010, 0.020], [Cost(0.0, 0.015, 0.0)] * 3) == pytest.approx(0.025)
+    # An encode on the hook's thread delays the buckets after it: 2 ms each, before its collective.
+    with_encode = [Cost(0.002, 0.004, 0.001)] * 3
+    # ready 0 -> starts 2, ends 7; ready 10+2 -> starts 14, ends 19; ready 20+4 -> starts 26, ends 31: 11 after 20.
+    assert time_policy.exposed([0.0, 0.010, 0.020], with_encode) == pytest.approx(0.011)
+
+
+def test_the_options_costs_follow_the_bytes_each_scheme_sends():
+    """With every collective costing 1 s per byte and free kernels, an option's time is the bytes it sends, counted
+    here from the codec's payload sizes (not from the schemes' own byte formulas)."""
+    per_byte = Line(0.0, 1.0)
+    model = CostModel({f"{level}/{kind}": per_byte for level in ("world", "inside", "across")
+                       for kind in time_policy.KINDS}, {})
+    codec = gradcomp.codec("topk:ratio=0.01")
+    n, world = 100_000, 4
+    assert model.flat("plain", codec, None, n, torch.float32, world, "world").wire == 4 * n
+    assert model.flat("allgather", codec, None, n, torch.float32, world, "world").wire == codec.payload_nbytes(n)
+    chunks = [codec.payload_nbytes(n // world) for _ in range(world)]  # n divisible by world: equal chunks
+    two_phase = model.flat("two-phase", codec, None, n, torch.float32, world, "world")
+    assert two_phase.wire == sum(chunks) + max(chunks)
+    hierarchical = model.hierarchical(codec, None, n, torch.float32, world, 2)  # 2 nodes of 2: shards of n / 2
+    # reduce-scatter of the bucket inside the node, then the shard between 2 nodes (allgather), then its all-gather
+    assert hierarchical.encode + hierarchical.wire == 4 * n + codec.payload_nbytes(n // 2) + 4 * (n // 2)
+    powersgd = gradcomp.codec("powersgd:rank=4")
+    cost = model.flat("powersgd", powersgd, [(256, 512), (512,)], 256 * 512 + 512, torch.float32, world, "world")
+    assert cost.wire == 4 * (256 * 4 + 512) + 4 * (512 * 4)  # P with the whole bias, then Q
+
+
+def test_the_choice_is_never_predicted_slower_than_plain_and_leaves_hidden_buckets_plain():
+    ready = [0.0, 0.050, 0.100]
+    cheap = {"plain": Cost(0.0, 0.010, 0.0), "allgather": Cost(0.001, 0.001, 0.001)}
+    # Communication of the first two buckets hides behind backward: compressing them gains nothing.
+    assert time_policy.choose(ready, [cheap] * 3) == ["plain", "plain", "allgather"]
+    # A codec that saves a tenth of the wire time and adds more in its kernels: nothing to gain, even pipelined (an
+    # encode can run while an earlier bucket is on the wire, so a codec slower than plain alone may still pay).
+    little_saved = {"plain": Cost(0.0, 0.010, 0.0), "allgather": Cost(0.003, 0.009, 0.002)}
+    assert time_policy.choose([0.0] * 3, [little_saved] * 3) == ["plain"] * 3
+    rng = random.Random(0)
+    for _ in range(300):
+        count = rng.randint(1, 6)
+        ready = sorted(rng.uniform(0, 0.05) for _ in range(count))
+        options = [{"plain": Cost(0.0, rng.uniform(0, 0.02), 0.0),
+                    "allgather": Cost(*(rng.uniform(0, 0.01) for _ in range(3))),
+                    "two-phase": Cost(*(rng.uniform(0, 0.01) for _ in range(3)))} for _ in range(count)]
+        choice = time_policy.choose(ready, options)
+        predicted = time_policy.exposed(ready, [o[c] for o, c in zip(options, choice)])
+        assert predicted <= time_policy.exposed(ready, [o["plain"] for o in options]) + 1e-12
+
+
+def test_the_candidates_follow_the_codec_and_the_scheme_option():
+    assert time_policy.candidates(gradcomp.codec("signsgd"), "auto", False) == ["plain", "allgather", "two-phase"]
+    assert time_policy.candidates(gradcomp.codec("signsgd"), "auto", True) == ["plain", "allgather", "two-phase",
+                                                                                "hierarchical"]
+    assert time_policy.candidates(gradcomp.codec("signsgd"), "flat", True) == ["plain", "allgather", "two-phase"]
+    assert time_policy.candidates(gradcomp.codec("qsgd"), "two-phase", True) == ["plain", "two-phase"]
+    assert time_policy.candidates(gradcomp.codec("powersgd"), "hierarchical", True) == ["plain", "hierarchical"]
+    assert time_policy.candidates(gradcomp.codec("fp16"), "auto", False) == ["plain", "allreduce"]
+
+
+def test_bad_options_are_refused_by_name():
+    refusals = [({"policy": "fast"}, "policy='fast'; valid: 'codec', 'time'"),
+                ({"policy": "time", "start_iter": 1}, "start_iter=1"),
+                ({"policy": "time", "start_codec": "qsgd"}, "start_codec"),
+                ({"policy": "time", "min_bucket_ratio": 2.0}, "min_bucket_ratio=2.0"),
+                ({"policy": "time", "remeasure_every": -1}, "remeasure_every=-1"),
+                ({"remeasure_every": 5}, "remeasure_every=5")]
+    for options, named in refusals:
+        with pytest.raises(ValueError, match=named.replace("(", r"\(").replace(")", r"\)")):
+            gradcomp.CompressionState("topk", **options)
+    assert "no decision yet" in gradcomp.CompressionState("topk", policy="time").explain()
+
+
+# -- on ranks ------------------------------------------------------------------------------------------------------
+
+
+def test_every_rank_takes_the_same_decision_when_their_measurements_differ():
+    """Each rank's measured links and kernels scaled by 1 + rank / 2: one allreduce gives every rank the largest of
+    each, and so one decision (compared whole, predictions included)."""
+    world = 3
+    results = unwrap(run_ranks(scenarios.recorded, world, ("topk:ratio=0.2", {}, 4, None, 0.5), timeout=300))
+    decisions = [json.dumps(r["decisions"], sort_keys=True) for r in results]
+    assert len(results[0]["decisions"]) == 1 and len(set(decisions)) == 1
+    links = results[0]["decisions"][0]["model"]["links"]
+    for key, combined in links.items():
+        measured = [r["measured"][0][key] for r in results]
+        assert measured[0] != measured[2]
+        assert combined == [max(m[0] for m in measured), max(m[1] for m in measured)]
+    assert len({r["explain"] for r in results}) == 1
+    assert results[0]["stats"]["decision"]["buckets"][0]["choice"] in results[0]["decisions"][0]["options"]
+
+
+SCHEDULE = [["two-phase", "plain"], ["plain"], ["allgather"], ["two-phase"], ["plain", "allgather"]]
+
+
+@pytest.mark.parametrize("spec", ["signsgd", "topk:ratio=0.2", "powersgd:rank=2", "randomk:ratio=0.3"])
+def test_switches_between_plain_and_compressed_lose_nothing(spec):
+    """Decisions taken anew every 2 steps, switching each bucket between plain and the codec's schemes: per element,
+    the sum over the steps of every rank's mean gradient = what DDP applied + the mean of the residuals left (and
+    the two-phase owners'), and each switch took place."""
+    world, steps = 2, 12
+    fixed = gradcomp.schemes.fixed_scheme(gradcomp.codec(spec))  # allreduce or powersgd; None: the gathered codecs
+    schedule = SCHEDULE if fixed is None else [[fixed, "plain"], ["plain"], [fixed], ["plain", fixed]]
+    results = unwrap(run_ranks(scenarios.recorded, world, (spec, {"remeasure_every": 2}, steps, schedule),
+                               timeout=300))
+    assert len(results[0]["decisions"]) == 5  # at steps 2, 4, 6, 8 and 10
+    taken = {b["choice"] for d in results[0]["decisions"] for b in d["buckets"]}
+    assert taken == {name for names in schedule for name in names}
+    assert_nothing_lost(results, steps, replicas=world)
+
+
+def test_switches_to_and_from_the_hierarchical_scheme_lose_nothing():
+    world, steps = 4, 10
+    schedule = [["hierarchical"], ["plain"], ["two-phase", "hierarchical"], ["hierarchical"]]
+    results = unwrap(run_ranks(scenarios.recorded, world, ("signsgd", {"remeasure_every": 2, "node_size": 2}, steps,
+                                                           schedule), timeout=300))
+    assert set(results[0]["schemes_at_end"].values()) == {"hierarchical"}
+    assert_nothing_lost(results, steps, replicas=2)  # the hierarchical scheme's residuals: one per node
+
+
+def assert_nothing_lost(results, steps, replicas):
+    world = len(results)
+    for position in range(len(results[0]["applied"][0])):
+        averaged = sum(sum(r["sent"][t][position] for r in results) / world for t in range(steps))
+        applied = sum(results[0]["applied"][t][position] for t in range(steps))
+        kept = sum(r["residual"][position] for r in results if r["residual"][position] is not None)
+        kept = kept / replicas + sum(r["owner"][position] for r in results if r["owner"][position] is not None)
+        gap = float((averaged - applied - torch.as_tensor(kept).reshape(-1)).abs().max())
+        assert gap <= 2e-6 * max(1.0, float(averaged.abs().max())), (position, gap)
+
+
+@pytest.mark.parametrize("split", [2, 5], ids=["before the decision", "after it"])
+def test_a_resumed_run_repeats_the_decision_and_the_run_bit_for_bit(tmp_path, split):
+    """Saved after the decision, a resumed run takes it from the state (it never decides again); saved at start_iter,
+    before it, the resumed run decides as the uninterrupted one did (here by the same schedule)."""
+    world, total, spec = 2, 8, "signsgd"
+    schedule = [["two-phase", "plain", "allgather"]]
+    whole = unwrap(run_ranks(scenarios.resume, world, (spec, {}, total, split, str(tmp_path), "whole", schedule)))
+    unwrap(run_ranks(scenarios.resume, world, (spec, {}, total, split, str(tmp_path), "first", schedule)))
+    rest = unwrap(run_ranks(scenarios.resume, world, (spec, {}, total, split, str(tmp_path), "rest", [["plain"]])))
+    if split > 2:
+        assert all(r["choose_calls"] == 0 for r in rest)
+    else:
+        assert all(r["choose_calls"] == 1 for r in rest)
+        rest = unwrap(run_ranks(scenarios.resume, world, (spec, {}, total, split, str(tmp_path), "rest", schedule)))
+    assert len(set(whole[0]["schemes"].values())) >= 2
+    assert rest[0]["schemes"] == whole[0]["schemes"]
+    for r_whole, r_rest in zip(whole, rest):
+        for a, b in zip(r_whole["params"], r_rest["params"]):
+            assert torch.equal(a, b)
