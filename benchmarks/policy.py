@@ -12,7 +12,9 @@ per codec, each option fixed for every bucket (the codec under each scheme it ca
 policy="time". A step's time is the slowest rank's (a barrier before each step); a round's figure is the median over
 its steps; a configuration's, the median over the rounds, with the spread (max - min) / median of the rounds beside
 it. Ratios are to the same link's limit. The cost model's prediction: the policy's decision predicts each option's
-exposed communication per step (beyond backward without it); measured, that is the option's step minus the limit's.
+exposed communication per step (beyond backward without it); measured, the window from the last bucket's hook call
+to the completion of the last bucket's future, read around the hook (plain DDP runs as torch's allreduce hook for
+this), the slowest rank's, median over steps and rounds; beside it, the step minus the limit's step.
 With several ranks on 2 cores the ranks' compute is shared, so times compare only within one world size and link.
 Results: policy[_quick].{json,csv,png} in --out.
 """
@@ -31,6 +33,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 import gradcomp
@@ -65,17 +68,46 @@ def configurations(codec_specs: list[str]) -> list[tuple[str, str | None, dict]]
     return out
 
 
+class ExposedWindow:
+    """A step's communication as the cost model counts it: from the last bucket's hook call to the completion of the
+    last bucket's future (the communication that backward did not hide), read around whichever hook runs."""
+
+    def __init__(self):
+        self.called, self.done = [], []
+
+    def around(self, hook):
+        def timed(state, bucket):
+            self.called.append(time.perf_counter())
+
+            def completed(future):
+                self.done.append(time.perf_counter())
+                return future.value()
+
+            return hook(state, bucket).then(completed)
+
+        return timed
+
+    def take(self) -> float:
+        seconds = max(self.done) - max(self.called) if self.done else 0.0
+        self.called, self.done = [], []
+        return seconds
+
+
 def measure(rank: int, model_name: str, spec: str | None, options: dict, args) -> dict:
-    """One configuration on this rank: its step times (after the warm-up) and, under the policy, its decision."""
+    """One configuration on this rank: its step times and exposed communication (after the warm-up) and, under the
+    policy, its decision. Plain DDP runs as torch's allreduce hook, so that its window can be read."""
     build, batch = MODELS[model_name]
     torch.manual_seed(0)
     model = build()
     ddp = DistributedDataParallel(model)
-    state = None
+    state, window = None, ExposedWindow()
     if options.get("limit"):
-        ddp.register_comm_hook(None, no_communication)
-    elif spec is not None:
-        state = gradcomp.register(ddp, spec, start_iter=START_ITER, **options)
+        ddp.register_comm_hook(None, window.around(no_communication))
+    elif spec is None:
+        ddp.register_comm_hook(None, window.around(default_hooks.allreduce_hook))
+    else:
+        state = gradcomp.CompressionState(spec, start_iter=START_ITER, model=model, **options)
+        ddp.register_comm_hook(state, window.around(gradcomp.hook))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     x, y = batch(torch.Generator().manual_seed(rank))
 
@@ -87,13 +119,15 @@ def measure(rank: int, model_name: str, spec: str | None, options: dict, args) -
 
     for _ in range(args.warmup):  # DDP's bucket rebuild, start_iter, the decision, the plans laid out
         step()
-    times = []
+        window.take()
+    times, exposed = [], []
     for _ in range(args.steps):
         dist.barrier()
         started = time.perf_counter()
         step()
         times.append(time.perf_counter() - started)
-    result = {"times": times}
+        exposed.append(window.take())
+    result = {"times": times, "exposed": exposed}
     if state is not None:
         result["schemes"] = state.stats()["schemes"]
         result["decision"] = state.stats()["decision"]
@@ -115,6 +149,7 @@ def rank_main(args) -> None:
                     dist.all_gather_object(everyone, mine)
                     runs.append({"round": round_, "model": model_name, "config": label, "spec": spec,
                                  "step_s": [max(r["times"][i] for r in everyone) for i in range(args.steps)],
+                                 "exposed_s": [max(r["exposed"][i] for r in everyone) for i in range(args.steps)],
                                  "schemes": mine.get("schemes"), "decision": mine.get("decision")})
                     if args.rank == 0:
                         print(f"  round {round_} {model_name:9s} {label:32s} "
@@ -147,9 +182,10 @@ def table_rows(runs: dict, codecs: list[str]) -> list[dict]:
     for (world, link), entries in runs.items():
         for model_name in dict.fromkeys(e["model"] for e in entries):
             mine = [e for e in entries if e["model"] == model_name]
-            medians = {}
+            medians, windows = {}, {}
             for e in mine:
                 medians.setdefault(e["config"], []).append(statistics.median(e["step_s"]))
+                windows.setdefault(e["config"], []).append(statistics.median(e["exposed_s"]))
             limit = statistics.median(medians["no communication (limit)"])
             plain = statistics.median(medians["plain DDP"])
             for spec in codecs:
@@ -167,7 +203,8 @@ def table_rows(runs: dict, codecs: list[str]) -> list[dict]:
                            "median_ms": 1e3 * median, "rounds_ms": [1e3 * r for r in rounds],
                            "spread": (max(rounds) - min(rounds)) / median, "vs_limit": median / limit,
                            "vs_plain": median / plain, "vs_fastest_fixed": median / fastest_fixed,
-                           "measured_exposed_ms": 1e3 * (median - limit),
+                           "measured_exposed_ms": 1e3 * statistics.median(windows[label]),
+                           "step_minus_limit_ms": 1e3 * (median - limit),
                            "predicted_exposed_ms": 1e3 * statistics.median(predicted) if predicted else None,
                            "choices": [e["schemes"] for e in policy] if label.endswith("policy") else None}
                     rows.append(row)

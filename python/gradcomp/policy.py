@@ -189,10 +189,23 @@ def candidates(codec, scheme_option: str, two_levels: bool) -> list[str]:
     return options
 
 
-def option_costs(model: CostModel, options, codec, shapes, dtype: torch.dtype, world: int, node_size) -> dict:
+def option_costs(model: CostModel, options, codec, shapes, dtype: torch.dtype, world: int, node_size,
+                 measured: dict | None = None) -> dict:
+    """Each option's Cost for a bucket of these shapes. measured: {option: (encode, decode)} seconds of the plan's own
+    launch (time_plan), which then stand for the kernels (the model's kernels are left out: zero)."""
     numel = sum(torch.Size(s).numel() for s in shapes)
-    return {o: (model.hierarchical(codec, shapes, numel, dtype, world, node_size) if o == "hierarchical"
-                else model.flat(o, codec, shapes, numel, dtype, world, "world")) for o in options}
+    if measured:
+        model = CostModel(model.links, {})
+
+    def cost(o):
+        c = (model.hierarchical(codec, shapes, numel, dtype, world, node_size) if o == "hierarchical"
+             else model.flat(o, codec, shapes, numel, dtype, world, "world"))
+        if measured and o in measured:
+            encode, decode = measured[o]
+            c = Cost(c.encode + encode, c.wire, c.decode + decode)
+        return c
+
+    return {o: cost(o) for o in options}
 
 
 def exposed(ready: list[float], costs: list[Cost]) -> float:
@@ -366,9 +379,9 @@ class DryStep:
                 result.set_exception(error)
 
 
-def time_plan(plan, sample: torch.Tensor, world: int, rank: int, nodes, clock: Clock, repeats: int = 2):
-    """(encode, decode) seconds of plan's launch on a copy of sample (tiled to the bucket's size), collectives
-    local (DryStep): the least of `repeats` runs after an untimed one."""
+def time_plan(plan, sample: torch.Tensor, world: int, rank: int, nodes, clock: Clock, repeats: int = 2) -> list:
+    """Marks (start, first collective, end) of plan's launch on a copy of sample (tiled to the bucket's size), its
+    collectives local (DryStep), `repeats` runs after an untimed one (read them with plan_seconds)."""
     flat = sample.detach().reshape(-1)
     flat = flat.repeat(math.ceil(plan.numel / max(flat.numel(), 1)))[: plan.numel]
     runs = []
@@ -380,6 +393,13 @@ def time_plan(plan, sample: torch.Tensor, world: int, rank: int, nodes, clock: C
         plan.launch(step, data, views).wait()
         runs.append((start, step.marks[0] if step.marks else None, clock.mark()))
     return runs[1:]
+
+
+def plan_seconds(runs: list, clock: Clock) -> tuple[float, float]:
+    """(encode, decode): the least time to the first collective, and the least of the rest (after clock.sync())."""
+    encode = min((clock.seconds(start, first) for start, first, _ in runs if first is not None), default=0.0)
+    total = min(clock.seconds(start, end) for start, _, end in runs)
+    return encode, max(total - encode, 0.0)
 
 
 def _probe(group, kind: str, nbytes: int, device: torch.device, clock: Clock) -> tuple:
@@ -473,12 +493,15 @@ def needed_links(options, codec) -> dict[str, list[str]]:
     return needed
 
 
-def combine(model: CostModel, ready: list[float] | None, buckets: int, group, device: torch.device):
+def combine(model: CostModel, ready: list[float] | None, buckets: int, group, device: torch.device,
+            measured: list[dict] | None = None):
     """Every rank's measurements, the largest of each (the slowest rank sets the pace): one allreduce, after which
-    every rank holds the same numbers. Returns (model, ready), ready None where any rank lacks it."""
+    every rank holds the same numbers. Returns (model, ready, measured), ready None where any rank lacks it."""
     links, kernels = sorted(model.links), sorted(model.kernels)
     values = [x for key in links for x in (model.links[key].fixed, model.links[key].per_unit)]
     values += [x for key in kernels for x in (model.kernels[key].fixed, model.kernels[key].per_unit)]
+    timed = [(i, o) for i, per_option in enumerate(measured or []) for o in sorted(per_option)]
+    values += [x for i, o in timed for x in measured[i][o]]
     values += [1.0 if ready is None else 0.0, *(ready if ready is not None else [0.0] * buckets)]
     tensor = torch.tensor(values, dtype=torch.float64, device=device)
     if dist.get_world_size(group) > 1:
@@ -486,20 +509,29 @@ def combine(model: CostModel, ready: list[float] | None, buckets: int, group, de
     values = tensor.cpu().tolist()
     lines = [Line(values[2 * i], values[2 * i + 1]) for i in range(len(links) + len(kernels))]
     combined = CostModel(dict(zip(links, lines[:len(links)])), dict(zip(kernels, lines[len(links):])))
-    missing, offsets = values[2 * len(lines)], values[2 * len(lines) + 1:]
-    return combined, (None if missing else offsets)
+    at = 2 * len(lines)
+    if measured is not None:
+        measured = [dict() for _ in measured]
+        for k, (i, o) in enumerate(timed):
+            measured[i][o] = (values[at + 2 * k], values[at + 2 * k + 1])
+        at += 2 * len(timed)
+    missing, offsets = values[at], values[at + 1:]
+    return combined, (None if missing else offsets), measured
 
 
 # -- the decision, and how it reads -------------------------------------------------------------------------------
 
 
 def decide(model: CostModel, ready: list[float] | None, buckets: list[dict], codec, scheme_option: str, world: int,
-           node_size: int | None, step: int) -> dict:
-    """The decision for buckets ({"index", "shapes", "dtype"} in launch order): JSON-able, kept in the state."""
+           node_size: int | None, step: int, measured: list[dict] | None = None) -> dict:
+    """The decision for buckets ({"index", "shapes", "dtype"} in launch order): JSON-able, kept in the state.
+    measured: per bucket, {option: (encode, decode) seconds} of its plans' own launches, else the model's kernels."""
     options = candidates(codec, scheme_option, node_size is not None)
     overlap = ready is not None
     ready = ready if overlap else [0.0] * len(buckets)
-    costs = [option_costs(model, options, codec, b["shapes"], b["dtype"], world, node_size) for b in buckets]
+    measured = measured or [None] * len(buckets)
+    costs = [option_costs(model, options, codec, b["shapes"], b["dtype"], world, node_size, m)
+             for b, m in zip(buckets, measured)]
     choice = choose(ready, costs)
     fixed = {o: exposed(ready, [c[o] for c in costs]) for o in options}
     return {

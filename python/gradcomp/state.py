@@ -490,15 +490,40 @@ class CompressionState(StateCheckpoints):
             saved = {b["index"]: b["ready_s"] for b in self._decision["buckets"]}
             ready = [saved[b["index"]] for b in buckets] if all(b["index"] in saved for b in buckets) and \
                 self._decision["overlap_measured"] else None
-        elements = max((sum(torch.Size(s).numel() for s in b["shapes"]) for b in buckets), default=0)
-        kernels = time_policy.measure_kernels(self.codec, buffer, elements, clock) if len(options) > 1 else {}
-        model, ready = time_policy.combine(time_policy.CostModel(links, kernels), ready, len(buckets), step.group,
-                                           buffer.device)
         node_size = self._nodes.node_size if two_levels else None
+        measured = self._time_plans(step, buffer, buckets, [o for o in options if o != "plain"], clock)
+        model, ready, measured = time_policy.combine(time_policy.CostModel(links, {}), ready, len(buckets),
+                                                     step.group, buffer.device, measured)
         self._decision = time_policy.decide(model, ready, buckets, self.codec, self.scheme, step.world, node_size,
-                                            self.iter)
+                                            self.iter, measured)
         self._timings = time_policy.WarmupTimings()
         logger.info("%s", time_policy.explain(self._decision, self.spec))
+
+    def _time_plans(self, step: Step, buffer: torch.Tensor, buckets: list[dict], options: list[str], clock) -> list:
+        """Per bucket, {option: (encode, decode) seconds} of a scratch plan of that scheme launched on this step's
+        gradient (tiled to the bucket's size) with local collectives: the codec's kernels and all the hook does
+        around them, on this device and dtype. Buckets alike (the same shapes) are timed once."""
+        two_levels = self._nodes is not None and self._nodes.inside is not None
+        timed: dict = {}
+        for bucket in buckets:
+            key = (tuple(map(tuple, bucket["shapes"])), bucket["dtype"])
+            if key in timed:
+                continue
+            timed[key] = {}
+            shapes = bucket["shapes"]
+            if not isinstance(self.codec, PowerSGD):  # chunks all alike: each rank's dry run decodes its own as all
+                numel = sum(torch.Size(s).numel() for s in shapes)
+                shapes = [(-(-numel // step.world) * step.world,)]
+            for option in options:
+                plan_type = HierarchicalBucket if option == "hierarchical" else PLANS[option]
+                plan = make_plan(plan_type, self.codec, bucket["index"], range(len(shapes)), shapes, bucket["dtype"],
+                                 buffer.device, world=step.world, rank=step.rank,
+                                 node_size=self._nodes.node_size if two_levels else None)
+                timed[key][option] = time_policy.time_plan(plan, buffer, step.world, step.rank, self._nodes, clock)
+        clock.sync()
+        seconds = {key: {o: time_policy.plan_seconds(runs, clock) for o, runs in per_option.items()}
+                   for key, per_option in timed.items()}
+        return [seconds[(tuple(map(tuple, b["shapes"])), b["dtype"])] for b in buckets]
 
     def _chosen_scheme(self, index: int, keys) -> str:
         """The scheme the decision chose for bucket index; plain for a bucket it did not see (DDP laid its buckets

@@ -27,16 +27,16 @@ def scheduled(schedule):
 
 
 def skewed(rank: int, skew: float, seen: list):
-    """Stand-ins for the measurements that make each rank's differ (x 1 + skew x rank), recording them as measured."""
-    measure_links, measure_kernels = time_policy.measure_links, time_policy.measure_kernels
+    """A stand-in for the links' measurement that makes each rank's differ (x 1 + skew x rank), recording it."""
+    measure_links = time_policy.measure_links
 
-    def scaled(lines):
-        lines = {k: time_policy.Line(v.fixed * (1 + skew * rank), v.per_unit * (1 + skew * rank)) for k, v in
-                 lines.items()}
+    def scaled(*args):
+        lines = {k: time_policy.Line(v.fixed * (1 + skew * rank), v.per_unit * (1 + skew * rank))
+                 for k, v in measure_links(*args).items()}
         seen.append({k: [v.fixed, v.per_unit] for k, v in lines.items()})
         return lines
 
-    return (lambda *args: scaled(measure_links(*args)), lambda *args: scaled(measure_kernels(*args)))
+    return scaled
 
 
 def recorded(rank, world, spec, options, steps, schedule=None, skew=None):
@@ -47,7 +47,7 @@ def recorded(rank, world, spec, options, steps, schedule=None, skew=None):
         time_policy.choose = scheduled(schedule)
     seen: list = []
     if skew is not None:
-        time_policy.measure_links, time_policy.measure_kernels = skewed(rank, skew, seen)
+        time_policy.measure_links = skewed(rank, skew, seen)
     decisions = []
     decide = time_policy.decide
     time_policy.decide = lambda *args: decisions.append(decide(*args)) or decisions[-1]

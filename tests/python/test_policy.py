@@ -112,17 +112,18 @@ def test_bad_options_are_refused_by_name():
 # -- on ranks ------------------------------------------------------------------------------------------------------
 
 
-def test_every_rank_takes_the_same_decision_when_their_measurements_differ():
-    """Each rank's measured links and kernels scaled by 1 + rank / 2: one allreduce gives every rank the largest of
-    each, and so one decision (compared whole, predictions included)."""
-    world = 3
-    results = unwrap(run_ranks(scenarios.recorded, world, ("topk:ratio=0.2", {}, 4, None, 0.5), timeout=300))
+@pytest.mark.parametrize("world, spec, options", [(3, "topk:ratio=0.2", {}), (6, "signsgd", {"node_size": 3}),
+                                                  (2, "powersgd:rank=2", {}), (3, "randomk:ratio=0.3", {})])
+def test_every_rank_takes_the_same_decision_when_their_measurements_differ(world, spec, options):
+    """Each rank's measured links scaled by 1 + rank / 2 (and its plans' timings its own): one allreduce gives every
+    rank the largest of each, and so one decision (compared whole, predictions included)."""
+    results = unwrap(run_ranks(scenarios.recorded, world, (spec, options, 4, None, 0.5), timeout=300))
     decisions = [json.dumps(r["decisions"], sort_keys=True) for r in results]
     assert len(results[0]["decisions"]) == 1 and len(set(decisions)) == 1
     links = results[0]["decisions"][0]["model"]["links"]
     for key, combined in links.items():
         measured = [r["measured"][0][key] for r in results]
-        assert measured[0] != measured[2]
+        assert measured[0] != measured[-1]
         assert combined == [max(m[0] for m in measured), max(m[1] for m in measured)]
     assert len({r["explain"] for r in results}) == 1
     assert results[0]["stats"]["decision"]["buckets"][0]["choice"] in results[0]["decisions"][0]["options"]
