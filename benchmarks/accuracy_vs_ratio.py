@@ -84,13 +84,14 @@ DATASETS = {
 
 
 def train_one(data, make_model, spec: str, seed: int, epochs: int, batch_size: int, lr: float, world: int,
-              rank: int, device: torch.device, scheme: str = "auto", node_size: int | None = None) -> dict:
+              rank: int, device: torch.device, scheme: str = "auto", node_size: int | None = None,
+              policy: str = "codec") -> dict:
     """One run of the main job's recipe; returns rank 0's view of the result (every rank computes it)."""
     torch.manual_seed(seed)
     model = make_model().to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=main_job.MOMENTUM, nesterov=True)
     ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    state = gradcomp.register(ddp, spec, scheme=scheme, node_size=node_size)
+    state = gradcomp.register(ddp, spec, scheme=scheme, node_size=node_size, policy=policy)
     batch_size -= batch_size % world  # every rank an equal shard (at 8 ranks MNIST-1D's 100 becomes 96)
     steps = len(data["x"]) // batch_size
     total_steps, warmup = epochs * steps, max(epochs * steps // 40, 1)
@@ -118,7 +119,8 @@ def train_one(data, make_model, spec: str, seed: int, epochs: int, batch_size: i
             "final_loss": loss.item(), "steps": total_steps, "wire_bytes_per_step": total["wire_bytes"] / total_steps,
             "raw_bytes_per_step": total["raw_bytes"] / total_steps, "ratio": total["raw_bytes"] / total["wire_bytes"],
             "node_link_ratio": total["node_link_ratio"] if total["node_link_bytes"] else None,
-            "world_size": world, "schemes": state.stats()["schemes"], "seconds": time.perf_counter() - started}
+            "world_size": world, "schemes": state.stats()["schemes"], "policy": policy,
+            "seconds": time.perf_counter() - started}
 
 
 def rank_main(rank: int, world: int, backend: str, plan: list, datasets: dict, args, results_path: str):
@@ -129,7 +131,7 @@ def rank_main(rank: int, world: int, backend: str, plan: list, datasets: dict, a
             datasets[dataset_name] = loader()
         data = {k: v.to(device) for k, v in datasets[dataset_name].items()}
         run = train_one(data, make_model, spec, seed, args.epochs or epochs, batch_size, lr, world, rank, device,
-                        args.scheme, args.node_size)
+                        args.scheme, args.node_size, args.policy)
         run.update(dataset=dataset_name, family=family, world_size=world, date=time.strftime("%Y-%m-%d"))
         return run
 
@@ -231,6 +233,9 @@ def parse_args(argv=None):
                         help="how the payloads travel (auto: hierarchical across several nodes of several ranks, "
                              "else the flat scheme sending fewer bytes)")
     parser.add_argument("--node-size", type=int, help="ranks per node (emulated nodes, for the hierarchical scheme)")
+    parser.add_argument("--policy", default="codec", choices=["codec", "time"],
+                        help="time: per bucket plain allreduce or the codec's fastest scheme, as measured (see "
+                             "gradcomp.policy); run it on a shaped link to see it compress")
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
     parser.add_argument("--replot", action="store_true", help="only redraw the plot from the results in --out")
     parser.add_argument("--fresh", action="store_true",

@@ -19,8 +19,10 @@ The model
 The decision, at the first step after the warm-up: every rank measures; one allreduce (MAX: the slowest rank sets
 the pace) combines the measurements; every rank then chooses from the same numbers by the same arithmetic: per
 bucket the option with the least encode + wire + decode where it beats plain by MARGIN, then, bucket by bucket,
-the option that shortens the exposed time most given the others (two passes). The choice stands only where its
-exposed time beats all-plain's by MARGIN; else every bucket goes plain. It is kept in the state (a resumed run
+the option that shortens the exposed time most given the others (two passes); the same from each option taken for
+every bucket; the best predicted of these and of each option for every bucket. It stands only where its exposed
+time beats all-plain's by MARGIN; else every bucket goes plain. So the choice is never predicted slower than plain
+DDP, nor slower than any option fixed for every bucket by more than MARGIN (what plain is preferred within). It is kept in the state (a resumed run
 repeats it) and taken anew every `remeasure_every` steps where that is set.
 On a GPU every time is a pair of CUDA events, read at the decision (one sync), none per step.
 """
@@ -222,26 +224,36 @@ def exposed(ready: list[float], costs: list[Cost]) -> float:
 
 
 def choose(ready: list[float], options: list[dict]) -> list[str]:
-    """Per bucket the option name (see the module's docstring); options: per bucket {name: Cost}, "plain" in each."""
-    choice = []
-    for costs in options:
-        best = min(costs, key=lambda o: costs[o].total)
-        choice.append(best if costs[best].total < (1 - MARGIN) * costs["plain"].total else "plain")
+    """Per bucket the option name (see the module's docstring); options: per bucket {name: Cost}, "plain" in each,
+    the same names for every bucket."""
 
     def predicted(names):
         return exposed(ready, [costs[n] for costs, n in zip(options, names)])
 
-    for _ in range(2):
-        for i, costs in enumerate(options):
-            current = predicted(choice)
-            for name in costs:
-                trial = choice[:i] + [name] + choice[i + 1:]
-                if predicted(trial) < current * (1 - 1e-9):
-                    choice, current = trial, predicted(trial)
-            if choice[i] != "plain":  # plain unless the bucket's option itself shortens the step by MARGIN
-                plain = choice[:i] + ["plain"] + choice[i + 1:]
-                if predicted(plain) <= current + MARGIN * options[i]["plain"].total:
-                    choice = plain
+    def improved(choice):
+        for _ in range(2):
+            for i, costs in enumerate(options):
+                current = predicted(choice)
+                for name in costs:
+                    trial = choice[:i] + [name] + choice[i + 1:]
+                    if predicted(trial) < current * (1 - 1e-9):
+                        choice, current = trial, predicted(trial)
+                if choice[i] != "plain":  # plain unless the bucket's option itself shortens the step by MARGIN
+                    plain = choice[:i] + ["plain"] + choice[i + 1:]
+                    if predicted(plain) <= current + MARGIN * options[i]["plain"].total:
+                        choice = plain
+        return choice
+
+    standalone = []
+    for costs in options:
+        best = min(costs, key=lambda o: costs[o].total)
+        standalone.append(best if costs[best].total < (1 - MARGIN) * costs["plain"].total else "plain")
+    # Single-bucket moves can stall where one link is the bottleneck for every bucket: start also from each option
+    # for every bucket, and keep those as they are too, so the choice is never predicted slower than any of them
+    # (unless plain, within MARGIN).
+    uniform = [[name] * len(options) for name in options[0] if name != "plain"] if options else []
+    candidates_ = [improved(standalone), *(improved(u) for u in uniform), *uniform]
+    choice = min(candidates_, key=predicted)  # the first of equals: the per-bucket start, then the options' order
     plain = ["plain"] * len(options)
     return choice if predicted(choice) < (1 - MARGIN) * predicted(plain) else plain
 

@@ -481,6 +481,7 @@ class CompressionState(StateCheckpoints):
         largest = max((sum(torch.Size(s).numel() for s in b["shapes"]) * b["dtype"].itemsize for b in buckets),
                       default=0)
         clock = time_policy.Clock(buffer.device)
+        clock.sync()  # on a GPU, the warm-up's events are read now: the decision's one wait for the device
         if self._decision is None:
             links = time_policy.measure_links(needed, groups, largest, buffer.device, clock,
                                               self._timings.allreduce_points())

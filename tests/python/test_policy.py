@@ -76,7 +76,7 @@ def test_the_choice_is_never_predicted_slower_than_plain_and_leaves_hidden_bucke
     assert time_policy.choose([0.0] * 3, [little_saved] * 3) == ["plain"] * 3
     rng = random.Random(0)
     for _ in range(300):
-        count = rng.randint(1, 6)
+        count = rng.randint(1, 8)
         ready = sorted(rng.uniform(0, 0.05) for _ in range(count))
         options = [{"plain": Cost(0.0, rng.uniform(0, 0.02), 0.0),
                     "allgather": Cost(*(rng.uniform(0, 0.01) for _ in range(3))),
@@ -84,6 +84,13 @@ def test_the_choice_is_never_predicted_slower_than_plain_and_leaves_hidden_bucke
         choice = time_policy.choose(ready, options)
         predicted = time_policy.exposed(ready, [o[c] for o, c in zip(options, choice)])
         assert predicted <= time_policy.exposed(ready, [o["plain"] for o in options]) + 1e-12
+        for fixed in ("allgather", "two-phase"):  # plain where an option would gain less than MARGIN
+            bound = time_policy.exposed(ready, [o[fixed] for o in options]) / (1 - time_policy.MARGIN)
+            assert predicted <= bound + 1e-12, fixed
+    # One slow link for all: each bucket's codec alone gains nothing while the others queue behind plain buckets,
+    # yet every bucket compressed is 4x faster; single-bucket moves from all-plain would never find it.
+    bottleneck = {"plain": Cost(0.0, 0.010, 0.0), "allgather": Cost(0.0, 0.0025, 0.0)}
+    assert time_policy.choose([0.0] * 8, [bottleneck] * 8) == ["allgather"] * 8
 
 
 def test_the_candidates_follow_the_codec_and_the_scheme_option():
