@@ -11,7 +11,7 @@ import torch
 import gradcomp
 import gradcomp.policy as time_policy
 from ddp_scenarios import make_model, train, wrap
-from reliability_scenarios import residuals_per_parameter
+from reliability_scenarios import hook_recording_sent, residuals_per_parameter
 
 
 def scheduled(schedule):
@@ -55,13 +55,7 @@ def recorded(rank, world, spec, options, steps, schedule=None, skew=None):
     ddp = wrap(model)
     state = gradcomp.CompressionState(spec, model=model, policy="time", **options)
     sent: list[dict] = []
-
-    def hook(state, bucket):
-        keys = [state._param_keys[id(p)] for p in bucket.parameters()]
-        sent[-1].update({k: g.detach().clone().reshape(-1) for k, g in zip(keys, bucket.gradients())})
-        return gradcomp.hook(state, bucket)
-
-    ddp.register_comm_hook(state, hook)
+    ddp.register_comm_hook(state, hook_recording_sent(sent))
     applied = []
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     original_zero = optimizer.zero_grad

@@ -213,6 +213,18 @@ def _per_parameter(plan, flat: torch.Tensor, start: int) -> dict:
     return pieces
 
 
+def hook_recording_sent(sent: list):
+    """gradcomp's hook, recording into sent[-1] (a dict the caller appends per step) each parameter's gradient as it
+    goes into the hook, flat, by the parameter's key."""
+
+    def hook(state, bucket):
+        keys = [state._param_keys[id(p)] for p in bucket.parameters()]
+        sent[-1].update({k: g.detach().clone().reshape(-1) for k, g in zip(keys, bucket.gradients())})
+        return gradcomp.hook(state, bucket)
+
+    return hook
+
+
 def residuals_per_parameter(state) -> tuple[dict, dict]:
     """Per parameter key, as tensors of the parameter's size on the CPU (zeros where this rank holds none): this
     rank's residual, and the owner residual of what it owns (two-phase, flat or between nodes). Under the
@@ -250,13 +262,7 @@ def unused_error_feedback(rank, world, configs, steps):
         state = gradcomp.CompressionState(spec, scheme=scheme, start_iter=1, min_bucket_ratio=0, model=model,
                                           **(more[0] if more else {}))
         sent: list[dict] = []
-
-        def hook(state, bucket):
-            keys = [state._param_keys[id(p)] for p in bucket.parameters()]
-            sent[-1].update({k: g.detach().clone().reshape(-1) for k, g in zip(keys, bucket.gradients())})
-            return gradcomp.hook(state, bucket)
-
-        ddp.register_comm_hook(state, hook)
+        ddp.register_comm_hook(state, hook_recording_sent(sent))
         optimizer = torch.optim.SGD(model.parameters(), lr=0.2)
         applied = []
         for step in range(steps):

@@ -80,7 +80,7 @@ def test_network_tiny_mode(tmp_path):
     assert (tmp_path / "network_tiny.png").read_bytes()[:8] == PNG_MAGIC
 
 
-@pytest.mark.parametrize("script", ["network.py", "scaling.py", "hierarchical.py"])
+@pytest.mark.parametrize("script", ["network.py", "scaling.py", "hierarchical.py", "policy.py"])
 def test_network_benchmarks_without_root_explain_and_exit_cleanly(script, tmp_path, monkeypatch, capsys):
     benchmark = load_benchmark(script)
     monkeypatch.setattr(benchmark.os, "geteuid", lambda: 1000)
@@ -129,6 +129,26 @@ def test_hierarchical_quick_mode_counts_the_bytes_each_node_sends(tmp_path):
         assert hierarchical["saving_vs_plain_measured"] > 1.5 * flat["saving_vs_plain_measured"], (flat, hierarchical)
         assert rows[("1gbit", f"{spec} hierarchical")]["vs_limit"] > 1
     assert (tmp_path / "hierarchical_quick.png").read_bytes()[:8] == PNG_MAGIC
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a namespace and a link per rank need root (the no-root path is above)")
+def test_policy_quick_mode_times_every_option_and_the_policy(tmp_path):
+    out = run_script(BENCHMARKS / "policy.py", "--quick", "--out", tmp_path)
+    report = json.loads((tmp_path / "policy_quick.json").read_text())
+    rows = {(row["link"], row["codec"], row["config"]): row for row in report["rows"]}
+    for link in ("1gbit", "unshaped"):
+        for spec in ("signsgd", "topk:ratio=0.01"):
+            configs = {key[2] for key in rows if key[:2] == (link, spec)}
+            assert configs == {"plain DDP", f"{spec} allgather", f"{spec} two-phase", f"{spec} policy"}, out
+            policy = rows[(link, spec, f"{spec} policy")]
+            assert len(policy["choices"]) == report["rounds"]  # the schemes it chose, each round
+            assert all(set(c) <= {"plain", "allgather", "two-phase"} for c in policy["choices"])
+            assert policy["predicted_exposed_ms"] is not None and policy["measured_exposed_ms"] >= 0
+            assert 0 <= policy["spread"] and policy["vs_limit"] > 0
+    # 1 Gbit/s: plain DDP's 9.5 MB per step cannot hide behind the MLP's little backward
+    assert rows[("1gbit", "signsgd", "plain DDP")]["measured_exposed_ms"] > 10
+    assert report["summary"]["cells"] == 4
+    assert (tmp_path / "policy_quick.png").read_bytes()[:8] == PNG_MAGIC
 
 
 def test_two_phase_ops_quick_mode(tmp_path):

@@ -67,6 +67,12 @@ def test_main_job_under_torchrun_on_two_simulated_nodes_exits_0(tmp_path):
     assert any("world size 4" in output and "final test acc" in output for output in outputs)
 
 
+def test_main_job_prints_the_time_policys_decision_once():
+    stdout = run_main_job("--epochs", 1, "--compressor", "signsgd", "--policy", "time")
+    assert stdout.count("policy='time': decided at step 2 on 2 ranks") == 1, stdout
+    assert "predicted communication per step beyond backward" in stdout and "final test acc" in stdout
+
+
 def test_main_job_refuses_an_unknown_compressor():
     result = subprocess.run([sys.executable, str(SCRIPT), "--epochs", "1", "--compressor", "zip"],
                             capture_output=True, text=True, timeout=600)
