@@ -5,8 +5,10 @@ The model
     collectives: alpha + beta x bytes per kind (allreduce, all-gather, all-to-all, reduce-scatter) and level (the
         whole group; inside a node and across nodes where the ranks form several nodes of several), fitted to the
         plain warm-up steps' own allreduces of the real buckets and to a few probes of each kind at the decision;
-    kernels: the codec's encode and decode (PowerSGD: its round trip) as fixed + per-element seconds, timed at the
-        decision on the real gradient in hand, on this device and dtype;
+    compute: each option's plan launched on the gradient in hand (tiled to the bucket's size) with local collectives
+        (DryStep), timed per bucket shape on this device and dtype: the codec's kernels and all the hook does around
+        them, split at the first collective into encode and decode (the planner, gradcomp.plan, uses per-element
+        kernel costs instead, measured or stated);
     overlap with backward: DDP launches bucket i when backward has produced it, at offset r_i after the first (the
         warm-up steps' hook calls). Collectives go one at a time in launch order (where the backend runs several at
         once they share the link, which ends the last of them no sooner); a bucket's encode runs on the
@@ -22,8 +24,11 @@ bucket the option with the least encode + wire + decode where it beats plain by 
 the option that shortens the exposed time most given the others (two passes); the same from each option taken for
 every bucket; the best predicted of these and of each option for every bucket. It stands only where its exposed
 time beats all-plain's by MARGIN; else every bucket goes plain. So the choice is never predicted slower than plain
-DDP, nor slower than any option fixed for every bucket by more than MARGIN (what plain is preferred within). It is kept in the state (a resumed run
-repeats it) and taken anew every `remeasure_every` steps where that is set.
+DDP, nor slower than any option fixed for every bucket by more than MARGIN (within which plain is preferred). It
+is kept in the state (a resumed run repeats it) and taken anew every `remeasure_every` steps where that is set.
+Known limits (benchmarks/README.md, policy.py): the queue places a bucket's second collective (PowerSGD's Q,
+two-phase's all-gather) right after its first, where the hook's sequencer issues it once every bucket has been
+launched; and the hook's per-step work on busy cores is not in the dry runs. Both make it under-predict.
 On a GPU every time is a pair of CUDA events, read at the decision (one sync), none per step.
 """
 
