@@ -46,6 +46,7 @@ from .codecs import chunk_bounds
 from .powersgd import PowerSGD
 from .schemes import AllreduceBucket, PowerSGDBucket
 from .schemes.hierarchical import inner_plan_class
+from .step import Step
 
 POLICIES = ("codec", "time")
 MARGIN = 0.05  # an option replaces plain only where the model predicts it at least this much faster
@@ -358,9 +359,7 @@ class DryStep:
     def count_nonfinite(self, finite: torch.Tensor) -> None:
         pass
 
-    @staticmethod
-    def new_future(device: torch.device) -> torch.futures.Future:
-        return torch.futures.Future(devices=[device]) if device.type == "cuda" else torch.futures.Future()
+    new_future = staticmethod(Step.new_future)
 
     def _done(self, value, device) -> torch.futures.Future:
         if not self.marks:

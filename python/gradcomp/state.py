@@ -503,18 +503,23 @@ class CompressionState(StateCheckpoints):
     def _time_plans(self, step: Step, buffer: torch.Tensor, buckets: list[dict], options: list[str], clock) -> list:
         """Per bucket, {option: (encode, decode) seconds} of a scratch plan of that scheme launched on this step's
         gradient (tiled to the bucket's size) with local collectives: the codec's kernels and all the hook does
-        around them, on this device and dtype. Buckets alike (the same shapes) are timed once."""
+        around them, on this device and dtype. Buckets timed as the same shapes are timed once."""
         two_levels = self._nodes is not None and self._nodes.inside is not None
+        def timed_shapes(bucket):
+            """The shapes a bucket is timed as: its own for powersgd; else one vector padded to a multiple of the world
+            size, so that the chunks are all alike (each rank's dry run decodes its own chunk as every rank's)."""
+            if isinstance(self.codec, PowerSGD):
+                return tuple(map(tuple, bucket["shapes"]))
+            numel = sum(torch.Size(s).numel() for s in bucket["shapes"])
+            return ((-(-numel // step.world) * step.world,),)
+
         timed: dict = {}
         for bucket in buckets:
-            key = (tuple(map(tuple, bucket["shapes"])), bucket["dtype"])
+            shapes = timed_shapes(bucket)
+            key = (shapes, bucket["dtype"])
             if key in timed:
                 continue
             timed[key] = {}
-            shapes = bucket["shapes"]
-            if not isinstance(self.codec, PowerSGD):  # chunks all alike: each rank's dry run decodes its own as all
-                numel = sum(torch.Size(s).numel() for s in shapes)
-                shapes = [(-(-numel // step.world) * step.world,)]
             for option in options:
                 plan_type = HierarchicalBucket if option == "hierarchical" else PLANS[option]
                 plan = make_plan(plan_type, self.codec, bucket["index"], range(len(shapes)), shapes, bucket["dtype"],
@@ -524,7 +529,7 @@ class CompressionState(StateCheckpoints):
         clock.sync()
         seconds = {key: {o: time_policy.plan_seconds(runs, clock) for o, runs in per_option.items()}
                    for key, per_option in timed.items()}
-        return [seconds[(tuple(map(tuple, b["shapes"])), b["dtype"])] for b in buckets]
+        return [seconds[(timed_shapes(b), b["dtype"])] for b in buckets]
 
     def _chosen_scheme(self, index: int, keys) -> str:
         """The scheme the decision chose for bucket index; plain for a bucket it did not see (DDP laid its buckets
