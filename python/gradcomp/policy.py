@@ -13,9 +13,14 @@ The model
         warm-up steps' hook calls). Collectives go one at a time in launch order (where the backend runs several at
         once they share the link, which ends the last of them no sooner); a bucket's encode runs on the
         hook's thread (the backward's stream on a GPU), so it delays the buckets after it. What a step costs beyond
-        backward without communication (its exposed time) is a queue:
-            ready_i = r_i + the encodes before i;   start_i = max(ready_i + encode_i, end_(i-1));
-            end_i = start_i + wire_i + decode_i;    exposed = end_last - r_last.
+        backward without communication (its exposed time) is a queue, in the order the hook issues collectives:
+            first round, in launch order:  ready_i = r_i + the encodes before i;
+                start_i = max(ready_i + encode_i, end_(i-1));  end_i = start_i + wire_i + middle_i (+ decode_i);
+            second round (PowerSGD's Q, two-phase's and the node's all-gathers), which the sequencer issues in bucket
+                order once the last bucket is launched (at r_last + every encode):
+                start2_i = max(r_last + the encodes, end_i, end of the collective before);  end = start2_i +
+                second_i + decode_i;
+            exposed = the last end - r_last.
         A bucket whose communication hides behind later buckets' backward gains nothing from compression, and the
         choice leaves it plain.
 The decision, at the first step after the warm-up: every rank measures; one allreduce (MAX: the slowest rank sets
@@ -26,9 +31,8 @@ every bucket; the best predicted of these and of each option for every bucket. I
 time beats all-plain's by MARGIN; else every bucket goes plain. So the choice is never predicted slower than plain
 DDP, nor slower than any option fixed for every bucket by more than MARGIN (within which plain is preferred). It
 is kept in the state (a resumed run repeats it) and taken anew every `remeasure_every` steps where that is set.
-Known limits (benchmarks/README.md, policy.py): the queue places a bucket's second collective (PowerSGD's Q,
-two-phase's all-gather) right after its first, where the hook's sequencer issues it once every bucket has been
-launched; and the hook's per-step work on busy cores is not in the dry runs. Both make it under-predict.
+Known limits (benchmarks/README.md, policy.py): the hook's per-step work on busy cores is not in the dry runs, and
+compute on the collectives' callbacks is taken to hold the link; on shared CPU cores the model under-predicts.
 On a GPU every time is a pair of CUDA events, read at the decision (one sync), none per step.
 """
 
@@ -108,16 +112,22 @@ class Line:
 
 @dataclass(frozen=True)
 class Cost:
-    """An option's seconds for one bucket: encode (on the hook's thread, before its collectives), wire (the
-    collectives) and decode (after them)."""
+    """An option's seconds for one bucket: encode (on the hook's thread, before its collectives), wire (its first
+    collective), decode (after its last); for a plan of two rounds also middle (between them: PowerSGD's Q, the
+    two-phase owner's re-encode) and second (the collectives the sequencer issues once every bucket is launched)."""
 
     encode: float
     wire: float
     decode: float
+    middle: float = 0.0
+    second: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.encode + self.wire + self.decode
+        return self.encode + self.wire + self.middle + self.second + self.decode
+
+    def parts(self) -> list[float]:
+        return [self.encode, self.wire, self.middle, self.second, self.decode]
 
 
 class CostModel:
@@ -149,8 +159,8 @@ class CostModel:
             return Cost(0.0, self.link(level, "allreduce", numel * dtype.itemsize), 0.0)
         if scheme == "powersgd":
             p, q = PowerSGDBucket.summed_numels(codec, shapes)
-            wire = self.link(level, "allreduce", 4 * p) + self.link(level, "allreduce", 4 * q)
-            return Cost(0.0, wire, self.kernel("powersgd", numel * codec.rank))
+            return Cost(0.0, self.link(level, "allreduce", 4 * p), self.kernel("powersgd", numel * codec.rank),
+                        second=self.link(level, "allreduce", 4 * q))
         encode, decode = self.kernel("encode", numel), self.kernel("decode", numel)
         if scheme == "allreduce":
             return Cost(encode, self.link(level, "allreduce", AllreduceBucket.summed_bytes(codec, numel, dtype)), decode)
@@ -159,9 +169,9 @@ class CostModel:
             return Cost(encode, wire, self.kernel("decode", ranks * numel))
         if scheme == "two-phase":
             sizes = [codec.payload_nbytes(end - start, dtype) for start, end in chunk_bounds(numel, ranks)]
-            wire = self.link(level, "all-to-all", sum(sizes)) + self.link(level, "all-gather", max(sizes))
             owner = self.kernel("decode", numel) + self.kernel("encode", math.ceil(numel / ranks))
-            return Cost(self.kernel("encode", numel, calls=ranks), wire, owner + self.kernel("decode", numel))
+            return Cost(self.kernel("encode", numel, calls=ranks), self.link(level, "all-to-all", sum(sizes)),
+                        self.kernel("decode", numel), middle=owner, second=self.link(level, "all-gather", max(sizes)))
         raise ValueError(f"gradcomp: no cost for scheme {scheme!r}")
 
     def hierarchical(self, codec, shapes, numel: int, dtype: torch.dtype, world: int, node_size: int) -> Cost:
@@ -173,10 +183,11 @@ class CostModel:
         inner_scheme = inner_plan_class(codec, shard, dtype, nodes).scheme
         if inner_scheme == "powersgd":  # its shards are groups of whole parameters: about 1/L of the bucket each
             whole = self.flat(inner_scheme, codec, shapes, numel, dtype, nodes, "across")
-            inner = Cost(0.0, whole.wire / node_size, whole.decode / node_size)
+            inner = Cost(*(part / node_size for part in (0.0, whole.wire, whole.decode, whole.middle, whole.second)))
         else:
             inner = self.flat(inner_scheme, codec, None, shard, dtype, nodes, "across")
-        return Cost(scatter + inner.encode, inner.wire + gather, inner.decode)
+        # the all-gather inside the node is a second-round collective, after the exchange across nodes
+        return Cost(scatter + inner.encode, inner.wire, inner.decode, inner.middle, inner.second + gather)
 
 
 def candidates(codec, scheme_option: str, two_levels: bool) -> list[str]:
@@ -199,8 +210,8 @@ def candidates(codec, scheme_option: str, two_levels: bool) -> list[str]:
 
 def option_costs(model: CostModel, options, codec, shapes, dtype: torch.dtype, world: int, node_size,
                  measured: dict | None = None) -> dict:
-    """Each option's Cost for a bucket of these shapes. measured: {option: (encode, decode)} seconds of the plan's own
-    launch (time_plan), which then stand for the kernels (the model's kernels are left out: zero)."""
+    """Each option's Cost for a bucket of these shapes. measured: {option: (encode, middle, decode)} seconds of the
+    plan's own launch (time_plan), which then stand for the kernels (the model's kernels are left out: zero)."""
     numel = sum(torch.Size(s).numel() for s in shapes)
     if measured:
         model = CostModel(model.links, {})
@@ -209,8 +220,8 @@ def option_costs(model: CostModel, options, codec, shapes, dtype: torch.dtype, w
         c = (model.hierarchical(codec, shapes, numel, dtype, world, node_size) if o == "hierarchical"
              else model.flat(o, codec, shapes, numel, dtype, world, "world"))
         if measured and o in measured:
-            encode, decode = measured[o]
-            c = Cost(c.encode + encode, c.wire, c.decode + decode)
+            encode, middle, decode = measured[o]
+            c = Cost(c.encode + encode, c.wire, c.decode + decode, c.middle + middle, c.second)
         return c
 
     return {o: cost(o) for o in options}
@@ -221,11 +232,16 @@ def exposed(ready: list[float], costs: list[Cost]) -> float:
     each bucket's offset after the first, in launch order."""
     if not costs:
         return 0.0
-    delay, free = 0.0, -math.inf
+    delay, free, first_done = 0.0, -math.inf, []
     for offset, cost in zip(ready, costs):
         start = max(offset + delay + cost.encode, free)
         delay += cost.encode
-        free = start + cost.wire + cost.decode
+        free = start + cost.wire + cost.middle + (0.0 if cost.second else cost.decode)
+        first_done.append(free)
+    launched = ready[-1] + delay  # the hook's thread is through the last bucket: the sequencer's second round
+    for done, cost in zip(first_done, costs):
+        if cost.second:
+            free = max(launched, done, free) + cost.second + cost.decode
     return max(free - ready[-1], 0.0)
 
 
@@ -342,8 +358,9 @@ class WarmupTimings:
 class DryStep:
     """What a bucket plan's launch needs of the hook's Step, with local copies for collectives: a launch on it times
     the plan's kernels and everything the hook does around them, on this device, without the network. Each "rank"
-    receives what this rank sends (as if every rank held its gradient). `marks` gets the clock's mark when the first
-    collective is issued: the encode ends there."""
+    receives what this rank sends (as if every rank held its gradient). `marks` gets the clock's mark as each
+    collective is issued (the reduce-scatter inside a node, waited for on the hook's thread, aside): the encode ends
+    at the first, the middle of a two-round plan at the last."""
 
     def __init__(self, world: int, rank: int, nodes, clock: Clock, marks: list | None = None):
         self.world, self.rank, self.step, self.nodes, self.clock = world, rank, 0, nodes, clock
@@ -362,27 +379,27 @@ class DryStep:
     new_future = staticmethod(Step.new_future)
 
     def _done(self, value, device) -> torch.futures.Future:
-        if not self.marks:
-            self.marks.append(self.clock.mark())
         future = self.new_future(device)
         future.set_result(value)
         return future
 
     def allreduce(self, tensor: torch.Tensor) -> torch.futures.Future:
+        self.marks.append(self.clock.mark())
         return self._done([tensor], tensor.device)
 
     def all_gather(self, out: torch.Tensor, tensor: torch.Tensor) -> torch.futures.Future:
+        self.marks.append(self.clock.mark())  # before the local copy, which stands for the wire
         out.view(self.world, -1).copy_(tensor.reshape(1, -1).expand(self.world, -1))
         return self._done([out], out.device)
 
     def all_to_all(self, out: torch.Tensor, tensor: torch.Tensor, out_splits, in_splits) -> torch.futures.Future:
+        self.marks.append(self.clock.mark())
         start = sum(in_splits[: self.rank])
         mine = tensor[start: start + in_splits[self.rank]]
         out.view(self.world, -1).copy_(mine.reshape(1, -1).expand(self.world, -1))
         return self._done([out], out.device)
 
     def reduce_scatter_now(self, out: torch.Tensor, tensor: torch.Tensor) -> None:
-        self._done(None, out.device)
         out.copy_(tensor.view(self.world, -1)[self.rank])
 
     def chain_in_order(self, first, prepare, second, callback, result, device, round_: int = 1) -> None:
@@ -396,8 +413,8 @@ class DryStep:
 
 
 def time_plan(plan, sample: torch.Tensor, world: int, rank: int, nodes, clock: Clock, repeats: int = 2) -> list:
-    """Marks (start, first collective, end) of plan's launch on a copy of sample (tiled to the bucket's size), its
-    collectives local (DryStep), `repeats` runs after an untimed one (read them with plan_seconds)."""
+    """Marks (start, first collective, last collective, end) of plan's launch on a copy of sample (tiled to the
+    bucket's size), its collectives local (DryStep), `repeats` runs after an untimed one (read with plan_seconds)."""
     flat = sample.detach().reshape(-1)
     flat = flat.repeat(math.ceil(plan.numel / max(flat.numel(), 1)))[: plan.numel]
     runs = []
@@ -407,15 +424,18 @@ def time_plan(plan, sample: torch.Tensor, world: int, rank: int, nodes, clock: C
         step = DryStep(world, rank, nodes, clock)
         start = clock.mark()
         plan.launch(step, data, views).wait()
-        runs.append((start, step.marks[0] if step.marks else None, clock.mark()))
+        end = clock.mark()
+        runs.append((start, step.marks[0] if step.marks else end, step.marks[-1] if step.marks else end, end))
     return runs[1:]
 
 
-def plan_seconds(runs: list, clock: Clock) -> tuple[float, float]:
-    """(encode, decode): the least time to the first collective, and the least of the rest (after clock.sync())."""
-    encode = min((clock.seconds(start, first) for start, first, _ in runs if first is not None), default=0.0)
-    total = min(clock.seconds(start, end) for start, _, end in runs)
-    return encode, max(total - encode, 0.0)
+def plan_seconds(runs: list, clock: Clock) -> tuple[float, float, float]:
+    """(encode, middle, decode): the least time to the first collective, the least from there to the last, and the
+    least of the rest (after clock.sync())."""
+    encode = min(clock.seconds(start, first) for start, first, _, _ in runs)
+    middle = min(clock.seconds(first, last) for _, first, last, _ in runs)
+    total = min(clock.seconds(start, end) for start, _, _, end in runs)
+    return encode, middle, max(total - encode - middle, 0.0)
 
 
 def _probe(group, kind: str, nbytes: int, device: torch.device, clock: Clock) -> tuple:
@@ -527,10 +547,11 @@ def combine(model: CostModel, ready: list[float] | None, buckets: int, group, de
     combined = CostModel(dict(zip(links, lines[:len(links)])), dict(zip(kernels, lines[len(links):])))
     at = 2 * len(lines)
     if measured is not None:
+        width = len(measured[timed[0][0]][timed[0][1]]) if timed else 0
         measured = [dict() for _ in measured]
         for k, (i, o) in enumerate(timed):
-            measured[i][o] = (values[at + 2 * k], values[at + 2 * k + 1])
-        at += 2 * len(timed)
+            measured[i][o] = tuple(values[at + width * k: at + width * (k + 1)])
+        at += width * len(timed)
     missing, offsets = values[at], values[at + 1:]
     return combined, (None if missing else offsets), measured
 
@@ -541,7 +562,8 @@ def combine(model: CostModel, ready: list[float] | None, buckets: int, group, de
 def decide(model: CostModel, ready: list[float] | None, buckets: list[dict], codec, scheme_option: str, world: int,
            node_size: int | None, step: int, measured: list[dict] | None = None) -> dict:
     """The decision for buckets ({"index", "shapes", "dtype"} in launch order): JSON-able, kept in the state.
-    measured: per bucket, {option: (encode, decode) seconds} of its plans' own launches, else the model's kernels."""
+    measured: per bucket, {option: (encode, middle, decode) seconds} of its plans' own launches, else the model's
+    kernels."""
     options = candidates(codec, scheme_option, node_size is not None)
     overlap = ready is not None
     ready = ready if overlap else [0.0] * len(buckets)
@@ -556,7 +578,7 @@ def decide(model: CostModel, ready: list[float] | None, buckets: list[dict], cod
         "buckets": [{"index": b["index"], "elements": sum(torch.Size(s).numel() for s in b["shapes"]),
                      "bytes": sum(torch.Size(s).numel() for s in b["shapes"]) * b["dtype"].itemsize,
                      "ready_s": r, "choice": name,
-                     "predicted_s": {o: [c.encode, c.wire, c.decode] for o, c in cost.items()}}
+                     "predicted_s": {o: c.parts() for o, c in cost.items()}}
                     for b, r, cost, name in zip(buckets, ready, costs, choice)],
         "predicted_exposed_s": {"policy": exposed(ready, [c[n] for c, n in zip(costs, choice)]), **fixed},
     }

@@ -501,7 +501,7 @@ class CompressionState(StateCheckpoints):
         logger.info("%s", time_policy.explain(self._decision, self.spec))
 
     def _time_plans(self, step: Step, buffer: torch.Tensor, buckets: list[dict], options: list[str], clock) -> list:
-        """Per bucket, {option: (encode, decode) seconds} of a scratch plan of that scheme launched on this step's
+        """Per bucket, {option: (encode, middle, decode) seconds} of a scratch plan of that scheme launched on this step's
         gradient (tiled to the bucket's size) with local collectives: the codec's kernels and all the hook does
         around them, on this device and dtype. Buckets timed as the same shapes are timed once."""
         two_levels = self._nodes is not None and self._nodes.inside is not None

@@ -44,6 +44,19 @@ def test_the_exposed_time_is_the_queue_of_collectives_after_backward():
     assert time_policy.exposed([0.0, 0.010, 0.020], with_encode) == pytest.approx(0.011)
 
 
+def test_second_round_collectives_wait_for_the_last_bucket_and_queue_behind_the_first_round():
+    # Bucket 0 is two-round (a 1 ms P, 1 ms between, a 1 ms Q, 1 ms decode), bucket 1 plain (8 ms), ready at 0 and
+    # 5 ms. The first round: P 0-1, its middle 1-2; the plain allreduce 5-13. The sequencer issues Q once bucket 1
+    # is launched (5 ms), but the link is busy until 13: Q 13-14, decode 14-15; 10 ms after backward.
+    two_round = Cost(0.0, 0.001, 0.001, middle=0.001, second=0.001)
+    plain = Cost(0.0, 0.008, 0.0)
+    assert time_policy.exposed([0.0, 0.005], [two_round, plain]) == pytest.approx(0.010)
+    # Alone, its Q waits only for its own first round, and the bucket's time is its total.
+    assert time_policy.exposed([0.0], [two_round]) == pytest.approx(two_round.total)
+    # An encode on the hook's thread delays the second round too: launched at 0 + 3 ms.
+    assert time_policy.exposed([0.0], [Cost(0.003, 0.0, 0.0, second=0.001)]) == pytest.approx(0.004)
+
+
 def test_the_options_costs_follow_the_bytes_each_scheme_sends():
     """With every collective costing 1 s per byte and free kernels, an option's time is the bytes it sends, counted
     here from the codec's payload sizes (not from the schemes' own byte formulas)."""
@@ -56,13 +69,14 @@ def test_the_options_costs_follow_the_bytes_each_scheme_sends():
     assert model.flat("allgather", codec, None, n, torch.float32, world, "world").wire == codec.payload_nbytes(n)
     chunks = [codec.payload_nbytes(n // world) for _ in range(world)]  # n divisible by world: equal chunks
     two_phase = model.flat("two-phase", codec, None, n, torch.float32, world, "world")
-    assert two_phase.wire == sum(chunks) + max(chunks)
+    assert (two_phase.wire, two_phase.second) == (sum(chunks), max(chunks))  # all-to-all, then the all-gather
     hierarchical = model.hierarchical(codec, None, n, torch.float32, world, 2)  # 2 nodes of 2: shards of n / 2
     # reduce-scatter of the bucket inside the node, then the shard between 2 nodes (allgather), then its all-gather
-    assert hierarchical.encode + hierarchical.wire == 4 * n + codec.payload_nbytes(n // 2) + 4 * (n // 2)
+    assert (hierarchical.encode, hierarchical.wire, hierarchical.second) == (4 * n, codec.payload_nbytes(n // 2),
+                                                                             4 * (n // 2))
     powersgd = gradcomp.codec("powersgd:rank=4")
     cost = model.flat("powersgd", powersgd, [(256, 512), (512,)], 256 * 512 + 512, torch.float32, world, "world")
-    assert cost.wire == 4 * (256 * 4 + 512) + 4 * (512 * 4)  # P with the whole bias, then Q
+    assert (cost.wire, cost.second) == (4 * (256 * 4 + 512), 4 * (512 * 4))  # P with the whole bias, then Q
 
 
 def test_the_choice_is_never_predicted_slower_than_plain_and_leaves_hidden_buckets_plain():
@@ -80,7 +94,7 @@ def test_the_choice_is_never_predicted_slower_than_plain_and_leaves_hidden_bucke
         ready = sorted(rng.uniform(0, 0.05) for _ in range(count))
         options = [{"plain": Cost(0.0, rng.uniform(0, 0.02), 0.0),
                     "allgather": Cost(*(rng.uniform(0, 0.01) for _ in range(3))),
-                    "two-phase": Cost(*(rng.uniform(0, 0.01) for _ in range(3)))} for _ in range(count)]
+                    "two-phase": Cost(*(rng.uniform(0, 0.01) for _ in range(5)))} for _ in range(count)]
         choice = time_policy.choose(ready, options)
         predicted = time_policy.exposed(ready, [o[c] for o, c in zip(options, choice)])
         assert predicted <= time_policy.exposed(ready, [o["plain"] for o in options]) + 1e-12
