@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs everything gradcomp needs on a fresh Debian machine, then gradcomp itself.
 #   bash tools/install.sh            # CPU torch 2.13, build and test tools (gtest, clang, qemu, Lightning,
-#                                    # Accelerate), the benchmarks' data, gradcomp
+#                                    # Accelerate, transformers), the benchmarks' data, gradcomp
 # Environment: TORCH_SPEC (default torch==2.13.0), GRADCOMP_CUDA (auto|ON|OFF), PYTHON (default python3).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -32,7 +32,8 @@ fi
 # torch first and on its own: the extension is built against the torch that is installed.
 "$PYTHON" -c "import torch" 2>/dev/null || "$PYTHON" -m pip install -q "$TORCH_SPEC"
 "$PYTHON" -m pip install -q "scikit-build-core>=0.10" "pybind11>=2.12" numpy pytest matplotlib mnist1d tokenizers
-# The frameworks gradcomp.lightning and gradcomp.accelerate plug into (optional extras; the tests use them).
-"$PYTHON" -m pip install -q "lightning>=2.1" "accelerate>=0.26"
+# The frameworks gradcomp.lightning, gradcomp.accelerate and gradcomp.transformers plug into (optional extras;
+# the tests use them).
+"$PYTHON" -m pip install -q "lightning>=2.1" "accelerate>=0.26" "transformers>=4.46"
 "$PYTHON" -m pip install -q --no-build-isolation .
 "$PYTHON" -c "import gradcomp, torch; print('gradcomp', gradcomp.__version__, 'on torch', torch.__version__, '| CUDA codecs built:', gradcomp.cuda_built)"

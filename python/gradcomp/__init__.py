@@ -5,7 +5,8 @@
     # scheme="auto": per bucket, allgather or two-phase (chunks to owners), whichever sends fewer bytes
     state.stats(), state.state_dict()                         # bytes on the wire; checkpoints
     gradcomp.every_rank(state)               # every rank's state in one object (rank-0-only checkpoints)
-    gradcomp.lightning.GradcompCallback(spec), gradcomp.accelerate.register(accelerator, model, spec)
+    gradcomp.lightning.GradcompCallback(spec), gradcomp.accelerate.register(accelerator, model, spec),
+    gradcomp.transformers.register(trainer, spec)          # Hugging Face Trainer
     gradcomp.available()                      # every codec with its parameters and defaults
     c = gradcomp.codec("qsgd:levels=16,block=512")
     payload = c.encode(grad, residual)        # residual (error feedback) is updated in place
@@ -29,8 +30,9 @@ __all__ = ["Codec", "CompressionState", "PayloadCodec", "PowerSGD", "available",
 
 
 def __getattr__(name: str):
-    """gradcomp.lightning and gradcomp.accelerate load on first use: their frameworks are optional extras."""
-    if name in ("lightning", "accelerate"):
+    """gradcomp.lightning, gradcomp.accelerate and gradcomp.transformers load on first use: their frameworks are
+    optional extras."""
+    if name in ("lightning", "accelerate", "transformers"):
         import importlib
         return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'gradcomp' has no attribute {name!r}")

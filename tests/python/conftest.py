@@ -16,6 +16,7 @@ import pytest
 OPTIONAL = {
     "lightning": "pip install 'gradcomp[lightning]'",
     "accelerate": "pip install 'gradcomp[accelerate]'",
+    "transformers": "pip install 'gradcomp[transformers]'",
     "mnist1d": "pip install mnist1d",
     "bible": "apt-get install bible-kjv",
 }

@@ -1,6 +1,6 @@
-"""gradcomp under Lightning, Fabric and Accelerate, each on 2 CPU ranks launched as its users launch it:
-a run of 2 epochs resumed from the framework's own checkpoint for 2 more ends with the weights of 4
-uninterrupted epochs, bit for bit (the jobs are in framework_jobs/). CI installs both frameworks, and
+"""gradcomp under Lightning, Fabric, Accelerate and Hugging Face Trainer, each on 2 CPU ranks launched as its
+users launch it: a run stopped halfway and resumed from the framework's own checkpoint ends with the weights of
+the uninterrupted run, bit for bit (the jobs are in framework_jobs/). CI installs the frameworks, and
 tools/test.sh sets GRADCOMP_REQUIRE_OPTIONAL=1, so that there these tests fail rather than skip when one
 is missing (conftest.py)."""
 
@@ -18,6 +18,7 @@ import gradcomp
 
 JOBS = os.path.join(os.path.dirname(__file__), "framework_jobs")
 CODECS = ["topk", "powersgd", "qsgd"]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 
 
 def _launch(launcher: list[str], job: str, out_dir, phase: str, codecs, expect_ok: bool = True) -> str:
@@ -71,10 +72,40 @@ def test_fabric_trains_with_gradcomp_and_resumes_bit_for_bit(tmp_path):
 
 @pytest.mark.needs("accelerate")
 def test_accelerate_resumes_from_save_state_bit_for_bit(tmp_path):
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    _launch(torchrun, "accelerate_job.py", tmp_path, "first", CODECS)
-    _launch(torchrun, "accelerate_job.py", tmp_path, "resume", CODECS)
+    _launch(TORCHRUN, "accelerate_job.py", tmp_path, "first", CODECS)
+    _launch(TORCHRUN, "accelerate_job.py", tmp_path, "resume", CODECS)
     _assert_resumed_equals_straight(tmp_path, CODECS)
+
+
+@pytest.mark.needs("transformers")
+def test_hugging_face_trainer_resumes_from_its_checkpoint_bit_for_bit(tmp_path):
+    """A tiny GPT-2 under Trainer: 12 steps straight, and 6 then resume_from_checkpoint, end alike for topk (with
+    gradient accumulation), powersgd and signsgd. Checkpoints every 3 steps, 2 kept: Trainer's rotation deletes
+    folders that hold gradcomp's files."""
+    codecs = ["topk", "powersgd", "signsgd"]
+    _launch(TORCHRUN, "trainer_job.py", tmp_path, "first", codecs)
+    assert sorted(p.name for p in (tmp_path / "topk-straight").iterdir()) == ["checkpoint-12", "checkpoint-9"]
+    assert {"gradcomp_state_rank0.pt", "gradcomp_state_rank1.pt"} <= {
+        p.name for p in (tmp_path / "topk-half" / "checkpoint-6").iterdir()}
+    _launch(TORCHRUN, "trainer_job.py", tmp_path, "resume", codecs)
+    _assert_resumed_equals_straight(tmp_path, codecs)
+
+    # Another codec refuses the checkpoint (found by resume_from_checkpoint=True), naming both.
+    log = _launch(TORCHRUN, "trainer_job.py", tmp_path, "mismatch", ["topk"], expect_ok=False)
+    assert "the state was saved for another configuration (codec: saved 'topk" in log and "now 'signsgd" in log
+
+    # Without gradcomp's files the resume is refused, unless asked for; then the residuals start empty and the run
+    # no longer repeats the uninterrupted one (what the files carried mattered).
+    for rank in (0, 1):
+        (tmp_path / "topk-half" / "checkpoint-6" / f"gradcomp_state_rank{rank}.pt").unlink()
+    log = _launch(TORCHRUN, "trainer_job.py", tmp_path, "missing", ["topk"], expect_ok=False)
+    assert "checkpoint-6 holds no gradcomp state" in log and "missing_state='fresh'" in log
+    _launch(TORCHRUN, "trainer_job.py", tmp_path, "fresh", ["topk"])
+    straight, fresh = (torch.load(tmp_path / f"topk-{name}.pt") for name in ("straight", "fresh"))
+    assert not all(torch.equal(straight[k], fresh[k]) for k in straight)
+
+    log = _launch([sys.executable], "trainer_job.py", tmp_path, "single", ["topk"], expect_ok=False)
+    assert "this Trainer's model is a GPT2LMHeadModel on 1 process(es)" in log and "torchrun" in log
 
 
 @pytest.mark.needs("lightning")
