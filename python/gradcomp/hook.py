@@ -38,12 +38,22 @@ The state and its dispatch: gradcomp.state; registration: gradcomp.registration.
 from .state import CompressionState  # noqa: F401  (states pickled before the split name gradcomp.hook's classes)
 from .state_io import BucketLayout, PayloadBucket  # noqa: F401
 
+COMPILED_AUTOGRAD = (
+    "DDP built under torch._dynamo.config.optimize_ddp='python_reducer' (compiled autograd) calls a communication "
+    "hook once per parameter with a (grad, param) tuple and ignores what it returns, so no bucket reaches gradcomp "
+    "and nothing it computed would reach the gradients. torch.compile(ddp_model) with the default optimize_ddp "
+    "('ddp_optimizer') works with gradcomp: build DDP without 'python_reducer' (and without compiled autograd), "
+    "then register")
+
 
 def gradcomp_hook(state, bucket):  # DDP checks the annotations, which this module's string annotations would fail
     """The communication hook: ddp_model.register_comm_hook(state, gradcomp.hook).
 
     state: a CompressionState; bucket: a torch.distributed.GradBucket; returns a Future holding the
     bucket's averaged gradient (written in place into bucket.buffer())."""
+    if isinstance(bucket, tuple):  # DDP's python reducer (compiled autograd) calls per parameter
+        raise TypeError(f"gradcomp's hook was called with a {type(bucket).__name__} of "
+                        f"{', '.join(type(b).__name__ for b in bucket)}, not a GradBucket: {COMPILED_AUTOGRAD}")
     return state.communicate(bucket)
 
 

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .hook import hook
+from .hook import COMPILED_AUTOGRAD, hook
 from .state import CompressionState
 
 WHERE_TO_REGISTER = (
@@ -77,6 +77,8 @@ def register(ddp_model: torch.nn.Module, spec: "str | CompressionState" = "topk"
     remeasure_every: under policy="time", measure the links and kernels again and re-decide every N steps (0: never).
     """
     ddp_model = find_ddp(ddp_model)
+    if getattr(ddp_model, "_use_python_reducer", False):
+        raise ValueError(f"gradcomp.register: {COMPILED_AUTOGRAD}")
     if isinstance(getattr(ddp_model, "_gradcomp_state", None), CompressionState):
         raise RuntimeError(f"gradcomp: a hook ({ddp_model._gradcomp_state.spec}) is already registered on this "
                            f"model; DDP takes one communication hook per model")

@@ -1,6 +1,7 @@
 """gradcomp under Lightning, Fabric, Accelerate and Hugging Face Trainer, each on 2 CPU ranks launched as its
 users launch it: a run stopped halfway and resumed from the framework's own checkpoint ends with the weights of
-the uninterrupted run, bit for bit (the jobs are in framework_jobs/). CI installs the frameworks, and
+the uninterrupted run, bit for bit (the jobs are in framework_jobs/); and torch.compile of a DDP model, whose
+compiled-autograd mode gradcomp refuses. CI installs the frameworks, and
 tools/test.sh sets GRADCOMP_REQUIRE_OPTIONAL=1, so that there these tests fail rather than skip when one
 is missing (conftest.py)."""
 
@@ -21,7 +22,7 @@ CODECS = ["topk", "powersgd", "qsgd"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 
 
-def _launch(launcher: list[str], job: str, out_dir, phase: str, codecs, expect_ok: bool = True) -> str:
+def _launch(launcher: list[str], job: str, out_dir, phase: str, codecs: list[str], expect_ok: bool = True) -> str:
     command = [*launcher, job, str(out_dir), phase, *codecs]
     done = subprocess.run(command, cwd=JOBS, capture_output=True, text=True, timeout=420,
                           env={**os.environ, "PYTHONWARNINGS": "ignore"})
@@ -154,3 +155,24 @@ def _tiny_module():
 
     return Tiny()
 
+
+
+def test_torch_compile_of_ddp_trains_with_gradcomp_as_eager_does(tmp_path):
+    """torch.compile(ddp) under optimize_ddp's default: the hook compresses every bucket, and 6 steps of topk end
+    with the eager run's weights, bit for bit."""
+    log = _launch(TORCHRUN, "compile_job.py", tmp_path, "default", [])
+    assert log.count("compiled: 1 buckets, 1 compressed") == 2, log[-3000:]
+    eager, compiled = torch.load(tmp_path / "eager.pt"), torch.load(tmp_path / "compiled.pt")
+    for name in eager:
+        assert torch.equal(eager[name], compiled[name]), name
+
+
+def test_compiled_autograds_python_reducer_is_refused_with_what_works():
+    """DDP under optimize_ddp='python_reducer' calls hooks per parameter and drops their result: register refuses
+    such a model, and a hook registered by hand refuses the call, naming the mode and what works."""
+    log = _launch(TORCHRUN, "compile_job.py", "unused", "python_reducer", [])
+    assert log.count("register refused: gradcomp.register: DDP built under torch._dynamo.config.optimize_ddp="
+                     "'python_reducer' (compiled autograd)") == 2, log[-3000:]
+    assert log.count("hook refused: gradcomp's hook was called with a tuple of Tensor, Parameter, not a "
+                     "GradBucket") == 2, log[-3000:]
+    assert "torch.compile(ddp_model) with the default optimize_ddp ('ddp_optimizer') works with gradcomp" in log
