@@ -5,6 +5,7 @@
     # scheme="auto": per bucket, allgather or two-phase (chunks to owners), whichever sends fewer bytes
     state.stats(), state.state_dict()                         # bytes on the wire; checkpoints
     gradcomp.every_rank(state)               # every rank's state in one object (rank-0-only checkpoints)
+    gradcomp.dcp_stateful(state)             # the same for torch.distributed.checkpoint
     gradcomp.lightning.GradcompCallback(spec), gradcomp.accelerate.register(accelerator, model, spec),
     gradcomp.transformers.register(trainer, spec)          # Hugging Face Trainer
     gradcomp.available()                      # every codec with its parameters and defaults
@@ -14,7 +15,7 @@
 """
 
 from . import _ops  # noqa: F401  (loads gradcomp._C: registers torch.ops.gradcomp.*)
-from .checkpoint import every_rank
+from .checkpoint import dcp_stateful, every_rank
 from .codecs import Codec, PayloadCodec, available, codec, count_for_ratio, describe, parse_spec
 from .hook import hook
 from .registration import register
@@ -25,8 +26,8 @@ __version__ = "0.1.0"
 cuda_built = _ops._C.cuda_built
 cpu_isa = _ops._C.cpu_isa
 
-__all__ = ["Codec", "CompressionState", "PayloadCodec", "PowerSGD", "available", "codec", "count_for_ratio", "describe",
-           "every_rank", "hook", "parse_spec", "register"]
+__all__ = ["Codec", "CompressionState", "PayloadCodec", "PowerSGD", "available", "codec", "count_for_ratio", "dcp_stateful",
+           "describe", "every_rank", "hook", "parse_spec", "register"]
 
 
 def __getattr__(name: str):

@@ -8,6 +8,10 @@ every rank's state into one object, and its `load_state_dict()` gives each rank 
     fabric.save(path, {"model": model, "gradcomp": gradcomp.every_rank(state)})
     fabric.load(path, {"model": model, "gradcomp": gradcomp.every_rank(state)})
 
+With torch.distributed.checkpoint, `gradcomp.dcp_stateful(state)` is the same as a Stateful:
+
+    dcp.save({"model": ..., "gradcomp": gradcomp.dcp_stateful(state)}, checkpoint_id=path)
+
 `every_rank(state, directory=DIR)` keeps large states out of the checkpoint instead: each rank
 writes DIR/gradcomp-step{S}-rank{R}-{ID}.pt, a new file at every save (ID is drawn per save, so that
 another run in DIR, or a run resumed from an older checkpoint that passes step S again, never
@@ -29,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 EVERY_RANK_FORMAT = 1
+STATE_FORMAT = 1  # of a CompressionState's state_dict()
 
 
 def every_rank(state, directory: str | None = None) -> "EveryRankState":
@@ -71,6 +76,35 @@ class EveryRankState:
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         self.state.load_state_dict(saved)
+
+
+def dcp_stateful(state, directory: str | None = None) -> "DcpState":
+    """every_rank(state) as torch.distributed.checkpoint's Stateful: dcp.save({"gradcomp": gradcomp.dcp_stateful(state)},
+    ...) and dcp.load the same, on every rank (also on another world size, with elastic=True)."""
+    return DcpState(state, directory)
+
+
+class DcpState:
+    """DCP loads into the structure the current state_dict() has, and a fresh state has none of the saved one's
+    buckets: so every rank's state travels as one serialized object, which DCP saves once (it is the same on every
+    rank) and hands back whole."""
+
+    __slots__ = ("every_rank",)
+
+    def __init__(self, state, directory: str | None = None):
+        self.every_rank = EveryRankState(state, directory)
+
+    def state_dict(self) -> dict[str, Any]:
+        buffer = io.BytesIO()
+        torch.save(self.every_rank.state_dict(), buffer)
+        return {"gradcomp_every_rank_serialized": buffer.getvalue()}
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        data = saved.get("gradcomp_every_rank_serialized") if isinstance(saved, dict) else None
+        if not isinstance(data, bytes):
+            raise ValueError(f"gradcomp.dcp_stateful: the checkpoint holds {type(data).__name__} under "
+                             f"'gradcomp_every_rank_serialized', not what gradcomp.dcp_stateful(state) saved")
+        self.every_rank.load_state_dict(torch.load(io.BytesIO(data), map_location="cpu", weights_only=True))
 
 
 def is_every_rank(saved: Any) -> bool:

@@ -45,12 +45,12 @@ class CompressionState(StateCheckpoints):
     __slots__ = ("process_group", "codec", "scheme", "start_iter", "start_codec", "min_bucket_ratio", "log_every",
                  "node_size", "iter", "_plans", "_start_plans", "_warmup_layout", "_pool", "_param_keys", "_model",
                  "_ddp", "_nodes", "_verified", "_total", "_last", "_current", "_warned", "_sequencer", "_checks",
-                 "_device_counts", "policy", "remeasure_every", "_decision", "_timings")
+                 "_device_counts", "policy", "remeasure_every", "_decision", "_timings", "elastic")
 
     def __init__(self, spec: str = "topk", *, process_group: dist.ProcessGroup | None = None, scheme: str = "auto",
                  start_iter: int = 2, start_codec: str | None = None, min_bucket_ratio: float = 1.0,
                  log_every: int = 0, node_size: int | None = None, policy: str = "codec", remeasure_every: int = 0,
-                 model: torch.nn.Module | None = None, **codec_params: Any):
+                 elastic: bool = False, model: torch.nn.Module | None = None, **codec_params: Any):
         for name, value in (("start_iter", start_iter), ("log_every", log_every), ("remeasure_every", remeasure_every)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"gradcomp: {name}={value!r} must be an integer >= 0")
@@ -72,6 +72,9 @@ class CompressionState(StateCheckpoints):
             raise ValueError(f"gradcomp: remeasure_every={remeasure_every} re-takes the decision of policy='time'; "
                              f"this state has policy={policy!r}")
         self.remeasure_every = remeasure_every
+        if not isinstance(elastic, bool):
+            raise ValueError(f"gradcomp: elastic={elastic!r} must be True or False")
+        self.elastic = elastic  # load_state_dict spreads an every-rank state of another world size (gradcomp.elastic)
         self._decision: dict | None = None  # policy="time": the choice per bucket, and what it was predicted from
         self.iter = 0
         self._plans: dict[int, Any] = {}  # bucket index -> its plan, an instance of one of schemes.PLANS

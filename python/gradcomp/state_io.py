@@ -12,12 +12,11 @@ import torch.distributed as dist
 
 from . import _ops
 from ._tensors import check_tensor
-from .checkpoint import every_rank_world_size, is_every_rank, this_ranks_entry
+from . import elastic
+from .checkpoint import STATE_FORMAT, every_rank_world_size, is_every_rank, this_ranks_entry
 from .schemes import GATHERED, PLANS, AllgatherBucket, AllreduceBucket, HierarchicalBucket, PlainBucket, \
     PowerSGDBucket, fixed_scheme, make_plan
 from .step import empty_stats
-
-STATE_FORMAT = 1
 
 
 def _saved_dtype(name) -> torch.dtype:
@@ -95,8 +94,16 @@ class StateCheckpoints:
         what every_rank(state).state_dict() saved, this rank's entry."""
         rank = dist.get_rank(self._group()) if dist.is_initialized() else None
         if is_every_rank(state):  # its entries can be told apart only on the world size that saved them
-            self._refuse_other_configuration({**self.config(), "world_size": every_rank_world_size(state)})
-            state = this_ranks_entry(state, rank)
+            world = self.config()["world_size"]
+            if self.elastic and world is not None and every_rank_world_size(state) != world:
+                first = this_ranks_entry(state, 0)
+                if isinstance(first, dict) and isinstance(first.get("config"), dict):  # else refused as not a state
+                    self._refuse_other_configuration({"scheme": self._scheme_before_schemes(), "policy": "codec",
+                                                      **first["config"], "world_size": world})
+                state = elastic.spread(self, state, world, rank)
+            else:
+                self._refuse_other_configuration({**self.config(), "world_size": every_rank_world_size(state)})
+                state = this_ranks_entry(state, rank)
         if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
             found = state.get("format") if isinstance(state, dict) else None
             raise ValueError(f"gradcomp: not a gradcomp state (format {STATE_FORMAT}); got "
@@ -152,9 +159,10 @@ class StateCheckpoints:
                      if saved_config.get(k) != v and not (k == "world_size" and None in (v, saved_config.get(k)))}
         if differing:
             listing = ", ".join(f"{k}: saved {saved!r}, now {now!r}" for k, (saved, now) in differing.items())
-            hint = ("; residuals belong to the ranks that built them, so a run on another number of ranks starts "
-                    "from a fresh CompressionState (the residuals are dropped, training goes on)"
-                    if "world_size" in differing else "")
+            hint = ("; residuals belong to the ranks that built them: a run on another number of ranks loads "
+                    "every rank's state (gradcomp.every_rank(state)) with elastic=True, which gives each new rank "
+                    "the saved residuals' average (gradcomp.elastic), or starts from a fresh CompressionState (the "
+                    "residuals are dropped, training goes on)" if "world_size" in differing else "")
             raise ValueError(f"gradcomp: the state was saved for another configuration ({listing}){hint}")
 
     def _scheme_before_schemes(self) -> str:
@@ -211,6 +219,7 @@ class StateCheckpoints:
         self.start_codec, self._start_plans = None, {}  # states pickled before start codecs have neither
         self.node_size = None  # nor before nodes
         self.policy, self.remeasure_every, self._decision = "codec", 0, None  # nor before policy="time"
+        self.elastic = False  # nor before elastic resumes
         self._warmup_layout = {}  # nor before the buckets' layout was kept during the first steps
         self._unbind()  # parameters are matched anew when the state meets its model
         for name, value in state.items():

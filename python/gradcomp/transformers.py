@@ -34,7 +34,7 @@ except ImportError as missing:
 
 from torch.nn.parallel import DistributedDataParallel
 
-from .checkpoint import _to_cpu
+from .checkpoint import EVERY_RANK_FORMAT, _to_cpu
 from .registration import register as register_hook
 from .state import CompressionState
 
@@ -49,6 +49,8 @@ def register(trainer, spec: "str | CompressionState" = "topk", *, missing_state:
     missing_state: what a resume does with a checkpoint that holds no gradcomp state (saved without this callback):
         "error" (the default) refuses it; "fresh" starts compression anew from it (empty residuals: what they held
         when it was saved is lost).
+    A checkpoint saved on another number of ranks is refused unless elastic=True (an option of gradcomp.register:
+    each new rank then takes the saved residuals' average).
     Returns the callback; its `.state` is the CompressionState (stats(), explain())."""
     if any(isinstance(c, GradcompTrainerCallback) for c in trainer.callback_handler.callbacks):
         raise RuntimeError("gradcomp.transformers.register: this Trainer has gradcomp's callback already; DDP takes "
@@ -121,16 +123,23 @@ class GradcompTrainerCallback(TrainerCallback):
 
     def _load(self, folder: str) -> None:
         rank, world = dist.get_rank(), dist.get_world_size()
-        path = os.path.join(folder, STATE_FILE.format(rank=rank))
-        if not os.path.exists(path):
-            saved_ranks = sorted(f for f in os.listdir(folder) if f.startswith("gradcomp_state_rank"))
-            if saved_ranks:
-                raise ValueError(f"gradcomp.transformers: {folder} holds gradcomp's state of {len(saved_ranks)} "
-                                 f"rank(s), and this run has {world}: rank {rank} has none to resume from; resume on "
-                                 f"{len(saved_ranks)} ranks")
+        saved = sorted(int(f[len("gradcomp_state_rank"):-3]) for f in os.listdir(folder)
+                       if f.startswith("gradcomp_state_rank") and f.endswith(".pt"))
+        if not saved:
             if self.missing_state == "fresh":
                 return
             raise FileNotFoundError(f"gradcomp.transformers: {folder} holds no gradcomp state (saved without "
                                     f"gradcomp's callback?); resuming would start compression with empty residuals. "
                                     f"To do so knowingly, register with missing_state='fresh'")
-        self.state.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+        if saved == list(range(world)):
+            self.state.load_state_dict(self._read(folder, rank))
+            return
+        if saved != list(range(len(saved))):
+            raise ValueError(f"gradcomp.transformers: {folder} holds gradcomp's state of ranks {saved}: some are missing")
+        # Saved on another number of ranks: every rank's state, which the state spreads (elastic=True) or refuses.
+        self.state.load_state_dict({"format": EVERY_RANK_FORMAT, "gradcomp_every_rank": True, "world_size": len(saved),
+                                    "ranks": [self._read(folder, r) for r in saved]})
+
+    @staticmethod
+    def _read(folder: str, rank: int) -> dict:
+        return torch.load(os.path.join(folder, STATE_FILE.format(rank=rank)), map_location="cpu", weights_only=True)

@@ -106,3 +106,46 @@ def resume_around_start(rank, world, configs, total, workdir, phase):
                 train(model, optimizer, total - split, rank, first_step=split)
             out[(index, split)] = ([p.detach().clone() for p in model.parameters()], [str(w.message) for w in caught])
     return out
+
+
+def trained_every_rank_state(rank, world, spec, options, steps):
+    """Trains `steps` steps of spec (register options `options`) and returns every_rank(state).state_dict()."""
+    model = make_model()
+    ddp = wrap(model)
+    state = gradcomp.register(ddp, spec, **options)
+    train(ddp, torch.optim.SGD(model.parameters(), lr=0.1), steps, rank)
+    return gradcomp.every_rank(state).state_dict()
+
+
+def elastic_resume(rank, world, spec, options, saved, steps):
+    """Loads an every-rank state saved on another world size with elastic=True into a fresh state on a fresh model;
+    returns the per-parameter state it holds then (its pool) and after `steps` more steps of training, with the
+    step it stood at."""
+    model = make_model()
+    ddp = wrap(model)
+    state = gradcomp.register(ddp, spec, elastic=True, **options)
+    gradcomp.every_rank(state).load_state_dict(saved)
+    loaded = state.state_dict()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        train(ddp, torch.optim.SGD(model.parameters(), lr=0.1), steps, rank, first_step=loaded["iter"])
+    return {"loaded": loaded, "after": state.state_dict()}
+
+
+def dcp_save(rank, world, spec, steps, path):
+    """Trains, saves gradcomp.dcp_stateful(state) with torch.distributed.checkpoint; returns every_rank's view."""
+    import torch.distributed.checkpoint as dcp
+    model = make_model()
+    ddp = wrap(model)
+    state = gradcomp.register(ddp, spec)
+    train(ddp, torch.optim.SGD(model.parameters(), lr=0.1), steps, rank)
+    dcp.save({"gradcomp": gradcomp.dcp_stateful(state)}, checkpoint_id=path)
+    return {"saved": gradcomp.every_rank(state).state_dict(), "state": state.state_dict()}
+
+
+def dcp_load(rank, world, spec, path, elastic):
+    """A fresh state on a fresh model, loaded with torch.distributed.checkpoint; returns its state_dict."""
+    import torch.distributed.checkpoint as dcp
+    state = gradcomp.register(wrap(make_model()), spec, elastic=elastic)
+    dcp.load({"gradcomp": gradcomp.dcp_stateful(state)}, checkpoint_id=path)
+    return {"loaded": state.state_dict()}

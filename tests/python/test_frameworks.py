@@ -105,6 +105,13 @@ def test_hugging_face_trainer_resumes_from_its_checkpoint_bit_for_bit(tmp_path):
     straight, fresh = (torch.load(tmp_path / f"topk-{name}.pt") for name in ("straight", "fresh"))
     assert not all(torch.equal(straight[k], fresh[k]) for k in straight)
 
+    # On 3 ranks: refused, naming the option; with elastic=True each rank takes the 2 saved ranks' average and trains.
+    three = [*TORCHRUN[:-1], "3"]
+    log = _launch(three, "trainer_job.py", tmp_path, "other_world", ["signsgd"], expect_ok=False)
+    assert "world_size: saved 2, now 3" in log and "elastic=True" in log
+    _launch(three, "trainer_job.py", tmp_path, "elastic", ["signsgd"])
+    assert (tmp_path / "signsgd-elastic" / "checkpoint-12" / "gradcomp_state_rank2.pt").exists()
+
     log = _launch([sys.executable], "trainer_job.py", tmp_path, "single", ["topk"], expect_ok=False)
     assert "this Trainer's model is a GPT2LMHeadModel on 1 process(es)" in log and "torchrun" in log
 

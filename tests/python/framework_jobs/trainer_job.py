@@ -6,6 +6,8 @@ from a config, on random tokens, with gradcomp.transformers.register.
     trainer_job.py OUT_DIR mismatch CODEC      # resumes it (resume_from_checkpoint=True) under another codec: fails
     trainer_job.py OUT_DIR missing CODEC       # resumes it without gradcomp's files (must fail) ...
     trainer_job.py OUT_DIR fresh CODEC         # ... unless missing_state="fresh"
+    trainer_job.py OUT_DIR other_world CODEC   # (on 3 ranks) resumes it on another number of ranks: fails ...
+    trainer_job.py OUT_DIR elastic CODEC       # ... unless elastic=True
     trainer_job.py OUT_DIR single CODEC        # one process: register's refusal
 
 Checkpoints every SAVE_EVERY steps with save_total_limit=2, so that Trainer rotates folders away under
@@ -89,6 +91,8 @@ def main() -> None:
             run(out_dir, codec, "resumed", resume=stopped)
         elif phase == "mismatch":
             run(out_dir, codec, "mismatch", spec=OTHER[codec], resume=True)
+        elif phase in ("other_world", "elastic"):  # on another number of ranks: refused, unless elastic
+            run(out_dir, codec, phase, resume=stopped, **({"elastic": True} if phase == "elastic" else {}))
         elif phase in ("missing", "fresh"):
             run(out_dir, codec, phase, resume=stopped, **({"missing_state": "fresh"} if phase == "fresh" else {}))
         elif phase == "single":
