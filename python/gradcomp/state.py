@@ -33,6 +33,17 @@ from .step import STATS_LOCK, DecodeChecks, DeviceCounts, Sequencer, Step, colle
 logger = logging.getLogger("gradcomp")
 
 
+def _show_logs() -> None:
+    """log_every asks for lines: where no logging is set up (no handler on the "gradcomp" logger or above it), they
+    go to stderr at INFO, rather than nowhere. A program that sets up logging itself keeps its own."""
+    if not logger.hasHandlers():
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+        if logger.getEffectiveLevel() > logging.INFO:
+            logger.setLevel(logging.INFO)
+
+
 class CompressionState(StateCheckpoints):
     """Everything the hook keeps between steps: the codec, the step, per-bucket residuals and Q.
 
@@ -66,6 +77,8 @@ class CompressionState(StateCheckpoints):
         self.start_codec = None if start_codec is None else _stateless_start_codec(start_codec, start_iter)
         self.process_group = process_group
         self.start_iter, self.min_bucket_ratio, self.log_every = start_iter, float(min_bucket_ratio), log_every
+        if log_every:
+            _show_logs()
         self.node_size = node_layout.check_node_size(node_size)
         self.policy = time_policy.check_policy(policy, start_iter, start_codec, self.min_bucket_ratio)
         if remeasure_every and policy != "time":

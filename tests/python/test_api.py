@@ -222,3 +222,21 @@ def test_raw_op_refuses_blocks_whose_sizes_would_overflow():
         gradcomp._ops._C.payload_nbytes("none", 256, 10)
     with pytest.raises(ValueError, match=r"levels='3' is outside"):
         gradcomp.codec("qsgd", levels="3")
+
+
+def test_log_every_shows_its_lines_without_a_logging_setup_and_keeps_a_programs_own():
+    """log_every=N asks for lines: with no logging set up they go to stderr (not nowhere); where the program set up
+    logging, its handlers alone write them (no line twice)."""
+    import subprocess
+    import sys
+    probe = ("import logging, gradcomp; {setup}gradcomp.CompressionState('topk', log_every=1); "
+             "logging.getLogger('gradcomp').info('gradcomp probe line')")
+    bare = subprocess.run([sys.executable, "-c", probe.format(setup="")], capture_output=True, text=True, check=True)
+    assert bare.stderr.count("gradcomp probe line") == 1, bare.stderr
+    configured = subprocess.run([sys.executable, "-c", probe.format(setup="logging.basicConfig(level='INFO', "
+                                 "format='app: %(message)s'); ")], capture_output=True, text=True, check=True)
+    assert configured.stderr.count("gradcomp probe line") == 1 and "app: gradcomp probe line" in configured.stderr
+    quiet = subprocess.run([sys.executable, "-c", "import logging, gradcomp; gradcomp.CompressionState('topk'); "
+                            "logging.getLogger('gradcomp').info('gradcomp probe line')"], capture_output=True,
+                           text=True, check=True)
+    assert "gradcomp probe line" not in quiet.stderr  # without log_every nothing changes
