@@ -85,18 +85,29 @@ DATASETS = {
 
 def train_one(data, make_model, spec: str, seed: int, epochs: int, batch_size: int, lr: float, world: int,
               rank: int, device: torch.device, scheme: str = "auto", node_size: int | None = None,
-              policy: str = "codec") -> dict:
-    """One run of the main job's recipe; returns rank 0's view of the result (every rank computes it)."""
+              policy: str = "codec", stop_after: int | None = None, save_to: str | None = None,
+              resume_from: str | None = None) -> dict:
+    """One run of the main job's recipe; returns rank 0's view of the result (every rank computes it).
+    stop_after, save_to: stop after that many epochs and save the model, optimizer and every rank's gradcomp state
+    to save_to; resume_from: go on from such a file, also on another number of ranks (elastic=True)."""
     torch.manual_seed(seed)
     model = make_model().to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=main_job.MOMENTUM, nesterov=True)
     ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    state = gradcomp.register(ddp, spec, scheme=scheme, node_size=node_size, policy=policy)
+    state = gradcomp.register(ddp, spec, scheme=scheme, node_size=node_size, policy=policy,
+                              elastic=resume_from is not None)
+    first_epoch = 0
+    if resume_from is not None:
+        saved = torch.load(resume_from, map_location=device, weights_only=True)
+        model.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        gradcomp.every_rank(state).load_state_dict(saved["gradcomp"])
+        first_epoch = saved["epoch"]
     batch_size -= batch_size % world  # every rank an equal shard (at 8 ranks MNIST-1D's 100 becomes 96)
     steps = len(data["x"]) // batch_size
     total_steps, warmup = epochs * steps, max(epochs * steps // 40, 1)
     started = time.perf_counter()
-    for epoch in range(epochs):
+    for epoch in range(first_epoch, epochs if stop_after is None else stop_after):
         model.train()
         batches = main_job.epoch_batches(len(data["x"]), batch_size, world, rank, seed, epoch).to(device)
         for step, indices in enumerate(batches):
@@ -107,6 +118,12 @@ def train_one(data, make_model, spec: str, seed: int, epochs: int, batch_size: i
             loss.backward()
             nn.utils.clip_grad_norm_(model.parameters(), main_job.CLIP_NORM)
             optimizer.step()
+    if save_to is not None:
+        saved = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": stop_after,
+                 "gradcomp": gradcomp.every_rank(state).state_dict()}  # a collective: every rank calls it
+        if rank == 0:
+            torch.save(saved, save_to)
+        dist.barrier()
     model.eval()
     correct = torch.zeros((), device=device)
     with torch.no_grad():

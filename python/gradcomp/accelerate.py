@@ -1,4 +1,4 @@
-"""gradcomp under Hugging Face Accelerate (`pip install "gradcomp[accelerate]"`).
+"""gradcomp under Hugging Face Accelerate (`pip install accelerate`).
 
     import gradcomp.accelerate
     model, optimizer, data = accelerator.prepare(model, optimizer, data)
@@ -19,7 +19,7 @@ from typing import Any
 try:
     from accelerate.utils import DistributedType
 except ImportError as missing:
-    raise ImportError('gradcomp.accelerate needs Accelerate: pip install "gradcomp[accelerate]"') from missing
+    raise ImportError('gradcomp.accelerate needs Accelerate: pip install accelerate') from missing
 
 from .checkpoint import every_rank
 from .registration import find_ddp, register as register_hook

@@ -1,4 +1,4 @@
-"""gradcomp under PyTorch Lightning: one callback (`pip install "gradcomp[lightning]"`).
+"""gradcomp under PyTorch Lightning: one callback (`pip install lightning`).
 
     import gradcomp.lightning
     trainer = lightning.Trainer(accelerator="cpu", devices=2, strategy="ddp",
@@ -27,7 +27,7 @@ except ImportError:  # the older package name
         from pytorch_lightning import Callback
         from pytorch_lightning.strategies import DDPStrategy
     except ImportError as missing:
-        raise ImportError('gradcomp.lightning needs PyTorch Lightning: pip install "gradcomp[lightning]"') from missing
+        raise ImportError('gradcomp.lightning needs PyTorch Lightning: pip install lightning') from missing
 
 from torch.nn.parallel import DistributedDataParallel
 

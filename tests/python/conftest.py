@@ -14,9 +14,9 @@ import pytest
 
 # name: how to install it. A name with a dot or without a program of that name is a Python module.
 OPTIONAL = {
-    "lightning": "pip install 'gradcomp[lightning]'",
-    "accelerate": "pip install 'gradcomp[accelerate]'",
-    "transformers": "pip install 'gradcomp[transformers]'",
+    "lightning": "pip install lightning",
+    "accelerate": "pip install accelerate",
+    "transformers": "pip install transformers",
     "mnist1d": "pip install mnist1d",
     "bible": "apt-get install bible-kjv",
 }

@@ -485,3 +485,14 @@ def test_lm_variants_local_variance_counts_its_statistic_and_trains(tmp_path):
         run_script(script, "--quick", "--local-variance", "4", "--codecs", "blocksign", "--out", tmp_path / "bad")
     with pytest.raises(AssertionError, match="--local-variance takes a block size >= 1"):
         run_script(script, "--quick", "--local-variance", "-1", "--out", tmp_path / "bad")
+
+
+def test_elastic_quick_mode_resumes_on_another_world_size(tmp_path):
+    out = run_script(BENCHMARKS / "elastic.py", "--quick", "--epochs", "2", "--out", tmp_path)
+    report = json.loads((tmp_path / "elastic_quick.json").read_text())
+    runs = {r["run"]: r for r in report["runs"]}
+    assert set(runs) == {"2 ranks, never stopped", "2 ranks to epoch 1, then 4"}
+    resumed = runs["2 ranks to epoch 1, then 4"]
+    assert resumed["test_acc"] > 20 and resumed["ratio"] > 5  # it trained on, compressed, on 4 ranks
+    assert resumed["vs_straight"] == pytest.approx(resumed["test_acc"] - runs["2 ranks, never stopped"]["test_acc"])
+    assert "then 4" in out and (tmp_path / "elastic_quick.png").read_bytes()[:8] == PNG_MAGIC

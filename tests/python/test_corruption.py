@@ -1,5 +1,5 @@
 """Silent corruption and lost state, on real processes (gloo): each test is a case that once went wrong
-without a word, and backs a promise in the README's "Guarantees"."""
+without a word, and backs a promise in docs/guarantees.md."""
 
 from __future__ import annotations
 

@@ -19,6 +19,10 @@ def _flat_average(saved) -> dict[int, torch.Tensor]:
     for entry in saved["ranks"]:
         for bucket in entry["buckets"]:
             tensors = bucket["tensors"]
+            if bucket["scheme"] == "hierarchical":  # a residual of this rank's shard of the node's average: L times
+                flat = _shard_in_place(bucket, entry["rank"])
+                total[bucket["index"]] = total.get(bucket["index"], 0) + flat
+                continue
             flat = tensors["residual"].double().clone()
             owner = tensors.get("owner_residual")
             if owner is not None:
@@ -28,6 +32,20 @@ def _flat_average(saved) -> dict[int, torch.Tensor]:
                 flat[start: start + owner.numel()] += world * owner.double()
             total[bucket["index"]] = total.get(bucket["index"], 0) + flat
     return {index: summed / world for index, summed in total.items()}
+
+
+def _shard_in_place(bucket, rank) -> torch.Tensor:
+    """A hierarchical bucket's shard residual as a whole bucket's. Local rank l of L holds elements [l*s, (l+1)*s)
+    of the bucket, s = ceil(n / L), the last shard padded. The residual is in units of the node's average, which
+    counts 1/N in the average of N nodes, where a rank's residual counts 1/W = 1/(N*L): so it counts L times."""
+    size = sum(torch.Size(shape).numel() for shape in bucket["shapes"])
+    node_size = bucket["node_size"]
+    shard = -(-size // node_size)
+    start = (rank % node_size) * shard
+    end = min(start + shard, size)
+    flat = torch.zeros(size, dtype=torch.float64)
+    flat[start:end] = node_size * bucket["tensors"]["residual"].double()[: end - start]
+    return flat
 
 
 def _loaded_average(results, buckets) -> dict[int, torch.Tensor]:
@@ -46,6 +64,7 @@ def _loaded_average(results, buckets) -> dict[int, torch.Tensor]:
     ("topk:ratio=0.1", {"scheme": "two-phase"}, 2, 3),
     ("signsgd", {"scheme": "two-phase"}, 4, 2),
     ("powersgd:rank=2", {}, 4, 2),
+    ("signsgd", {"scheme": "hierarchical", "node_size": 2}, 4, 6),  # 2 nodes of 2, then 3 nodes of 2
 ])
 def test_an_elastic_resume_keeps_the_residual_average(spec, options, saved_world, world):
     saved = unwrap(run_ranks(scenarios.trained_every_rank_state, saved_world, (spec, options, 5)))[0]

@@ -1,6 +1,6 @@
 """Reliability on real processes (gloo): non-finite gradients, ranks that die or stall, DDP's less common
-settings, memory over many steps, checkpoints from another world size. Each test backs a promise in the
-README's "Guarantees"."""
+settings, memory over many steps, checkpoints from another world size. Each test backs a promise in
+docs/guarantees.md."""
 
 from __future__ import annotations
 
