@@ -31,9 +31,9 @@ __all__ = ["Codec", "CompressionState", "PayloadCodec", "PowerSGD", "available",
 
 
 def __getattr__(name: str):
-    """gradcomp.lightning, gradcomp.accelerate and gradcomp.transformers load on first use: their frameworks are
-    optional extras."""
-    if name in ("lightning", "accelerate", "transformers"):
+    """gradcomp.lightning, gradcomp.accelerate, gradcomp.transformers and gradcomp.fsdp load on first use: the first
+    three's frameworks are optional extras."""
+    if name in ("lightning", "accelerate", "transformers", "fsdp"):
         import importlib
         return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'gradcomp' has no attribute {name!r}")

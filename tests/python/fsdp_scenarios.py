@@ -1,0 +1,91 @@
+"""Scenarios of gradcomp.fsdp on several gloo ranks (run by ddp_harness): FSDP2 (fully_shard) on the CPU."""
+
+from __future__ import annotations
+
+import io
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.fsdp import fully_shard
+
+import gradcomp.fsdp
+from ddp_scenarios import batch
+
+FEATURES, CLASSES = 24, 5
+
+
+def make_model() -> nn.Module:
+    """Three Linear layers, each its own FSDP module, and the root (which then holds no parameter of its own). 45
+    and 41 outputs: sizes no world size here divides, so FSDP pads the rows."""
+    torch.manual_seed(1234)
+    model = nn.Sequential(nn.Linear(FEATURES, 45), nn.Tanh(), nn.Linear(45, 41), nn.Tanh(), nn.Linear(41, CLASSES))
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def _step(model, step: int, rank: int) -> None:
+    x, y = batch(step, 0, rank)
+    nn.functional.cross_entropy(model(x), y).backward()
+
+
+def gradients(rank, world, spec):
+    """The full gradients after one backward, of plain FSDP2 and of FSDP2 with gradcomp's spec."""
+    out = {}
+    for name in ("plain", "gradcomp"):
+        model = make_model()
+        if name == "gradcomp":
+            state = gradcomp.fsdp.register(model, spec)
+        _step(model, 0, rank)
+        out[name] = [p.grad.full_tensor() for p in model.parameters()]
+    out["stats"] = state.stats()
+    return out
+
+
+def error_feedback(rank, world, spec, steps, nan_at=None):
+    """The reduce-scatter alone, on random rows: per step this rank's input, residual before and after, and output.
+    nan_at: (step, rank, row) whose input gets a NaN."""
+    state = gradcomp.fsdp.FSDPCompression(spec)
+    generator = torch.Generator().manual_seed(rank)
+    shard = 37
+    records = []
+    for step in range(steps):
+        flat = torch.randn(world * shard, generator=generator)
+        if nan_at is not None and nan_at[:2] == (step, rank):
+            flat[nan_at[2] * shard + 5] = float("nan")
+        before = state.residuals.get(0, torch.zeros_like(flat)).clone()
+        output = torch.empty(shard)
+        state.reduce_scatter(0, output, flat.clone(), dist.group.WORLD)
+        records.append({"input": flat, "before": before, "after": state.residuals[0].clone(), "output": output})
+    return records
+
+
+def training(rank, world, spec, steps, stop_at=None, saved_by_rank=None):
+    """SGD steps under FSDP2 with gradcomp; from saved_by_rank[rank] (this rank's model shards and gradcomp state,
+    as a run with stop_at saved them) when given. Returns this rank's shards and what it saved at stop_at."""
+    model = make_model()
+    state = gradcomp.fsdp.register(model, spec)
+    first = 0
+    if saved_by_rank is not None:
+        shards, compression, first = torch.load(io.BytesIO(saved_by_rank[rank]), weights_only=True)
+        with torch.no_grad():
+            for p, local in zip(model.parameters(), shards):
+                p.to_local().copy_(local)
+        state.load_state_dict(compression)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    out = {}
+    for step in range(first, steps):
+        _step(model, step, rank)
+        optimizer.step()
+        optimizer.zero_grad()
+        if step + 1 == stop_at:
+            buffer = io.BytesIO()
+            torch.save(([p.to_local().clone() for p in model.parameters()], state.state_dict(), step + 1), buffer)
+            out["saved"] = buffer.getvalue()
+    out["shards"] = [p.to_local().clone() for p in model.parameters()]
+    out["stats"] = state.stats()
+    out["memory"] = state.memory_bytes()
+    return out

@@ -1,0 +1,101 @@
+"""gradcomp.fsdp: FSDP2's gradient reduce-scatter, compressed with error feedback, on 2 to 4 CPU ranks (gloo)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fsdp_scenarios as scenarios
+import gradcomp
+from ddp_harness import run_ranks, unwrap
+
+CODECS = ["none", "fp16", "bf16", "signsgd", "terngrad", "qsgd", "topk:ratio=0.1", "randomk:ratio=0.1"]
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_none_gives_plain_fsdp2s_gradients(world):
+    """Bit for bit at 2 ranks (one addition, either order); at 3 and 4 up to the order of the fp32 additions."""
+    for result in unwrap(run_ranks(scenarios.gradients, world, ("none",))):
+        for plain, ours in zip(result["plain"], result["gradcomp"], strict=True):
+            if world == 2:
+                assert torch.equal(plain, ours)
+            else:
+                assert torch.allclose(plain, ours, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("spec", CODECS[1:])
+def test_every_codec_reduces_close_to_plain_and_sends_fewer_bytes(spec):
+    for result in unwrap(run_ranks(scenarios.gradients, 2, (spec,))):
+        plain = torch.cat([g.flatten() for g in result["plain"]])
+        ours = torch.cat([g.flatten() for g in result["gradcomp"]])
+        assert torch.isfinite(ours).all()
+        cosine = torch.nn.functional.cosine_similarity(plain, ours, dim=0)
+        assert cosine > (0.99 if spec in ("fp16", "bf16") else 0.2), (spec, cosine)
+        total = result["stats"]["total"]
+        assert total["reduce_scatters"] == 3 and total["ratio"] > (1.9 if spec in ("fp16", "bf16") else 3), total
+
+
+@pytest.mark.parametrize("spec", ["topk:ratio=0.1", "signsgd", "randomk:ratio=0.1"])
+def test_error_feedback_loses_nothing(spec):
+    """Per step and row j: the ranks' inputs plus their residuals before = the owner's output plus the residuals
+    after (what was not sent is kept, by every sender)."""
+    world, steps = 3, 4
+    results = unwrap(run_ranks(scenarios.error_feedback, world, (spec, steps)))
+    for step in range(steps):
+        sent = sum(r[step]["input"] + r[step]["before"] for r in results).view(world, -1)
+        kept = sum(r[step]["after"] for r in results).view(world, -1)
+        for owner in range(world):
+            output = results[owner][step]["output"]
+            assert torch.allclose(sent[owner], output + kept[owner], rtol=1e-5, atol=1e-5), (step, owner)
+        assert any(r[step]["after"].abs().sum() > 0 for r in results)
+
+
+@pytest.mark.parametrize("spec", ["topk:ratio=0.1", "signsgd"])
+def test_a_nan_reaches_its_owner_and_leaves_the_senders_residual_of_that_row_as_it_was(spec):
+    world, shard = 3, 37
+    results = unwrap(run_ranks(scenarios.error_feedback, world, (spec, 3, (1, 0, 2))))  # step 1, rank 0, row 2
+    nan_step = [r[1] for r in results]
+    assert not torch.isfinite(nan_step[2]["output"]).all()  # the owner of row 2 holds it: GradScaler sees it
+    assert torch.isfinite(nan_step[1]["output"]).all()
+    sender = nan_step[0]
+    rows = slice(2 * shard, 3 * shard)
+    assert torch.equal(sender["after"][rows], sender["before"][rows])  # that row's residual as it was
+    assert not torch.equal(sender["after"][:shard], sender["before"][:shard])  # the others took in the step
+    assert all(torch.isfinite(r[2]["after"]).all() for r in results)  # nothing non-finite carried on
+
+
+@pytest.mark.parametrize("spec", ["topk:ratio=0.1", "signsgd"])
+def test_resume_repeats_the_uninterrupted_run_bit_for_bit(spec):
+    """6 steps straight, and 3 then a fresh model and state loaded from what the ranks saved: the same shards, bit
+    for bit; and the state's residuals mattered (a resume without them differs)."""
+    straight = unwrap(run_ranks(scenarios.training, 2, (spec, 6, 3)))
+    saved = [r["saved"] for r in straight]
+    resumed = unwrap(run_ranks(scenarios.training, 2, (spec, 6, None, saved)))
+    for a, b in zip(straight, resumed):
+        for x, y in zip(a["shards"], b["shards"], strict=True):
+            assert torch.equal(x, y)
+        assert a["memory"] == b["memory"] > 0  # two residuals of each module's unsharded gradient
+    import io
+    stripped = []
+    for blob in saved:
+        shards, compression, step = torch.load(io.BytesIO(blob), weights_only=True)
+        compression["residuals"] = {}
+        buffer = io.BytesIO()
+        torch.save((shards, compression, step), buffer)
+        stripped.append(buffer.getvalue())
+    fresh = unwrap(run_ranks(scenarios.training, 2, (spec, 6, None, stripped)))
+    assert any(not torch.equal(x, y) for x, y in zip(straight[0]["shards"], fresh[0]["shards"]))
+
+
+def test_refusals_name_what_is_wrong_and_what_to_do():
+    with pytest.raises(TypeError, match="holds no FSDP module: call torch.distributed.fsdp.fully_shard"):
+        gradcomp.fsdp.register(torch.nn.Linear(2, 2), "topk")
+    with pytest.raises(ValueError, match="powersgd compresses each parameter as a matrix"):
+        gradcomp.fsdp.FSDPCompression("powersgd")
+    with pytest.raises(ValueError, match="ratio"):
+        gradcomp.fsdp.FSDPCompression("topk", ratio=2)
+    with pytest.raises(ValueError, match="not a state that gradcomp.fsdp saved"):
+        gradcomp.fsdp.FSDPCompression("topk").load_state_dict({"format": 1})
+    saved = gradcomp.fsdp.FSDPCompression("topk").state_dict()
+    with pytest.raises(ValueError, match="codec: saved 'topk:error_feedback=True,ratio=0.01', now 'signsgd"):
+        gradcomp.fsdp.FSDPCompression("signsgd").load_state_dict(saved)
