@@ -28,6 +28,7 @@ Supported: torch >= 2.9's FSDP2 (FSDPModule.set_custom_reduce_scatter and set_fo
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -35,7 +36,7 @@ import torch.distributed as dist
 
 from . import _ops
 from .checkpoint import STATE_FORMAT, _to_cpu
-from .codecs import codec as make_codec
+from .codecs import chunk_bounds, codec as make_codec
 from .powersgd import PowerSGD
 
 try:
@@ -47,9 +48,16 @@ except ImportError:  # torch without FSDP2, or with the seam elsewhere
 SEAM = ("set_custom_reduce_scatter", "set_force_sum_reduction_for_comms")
 
 
-def register(model: torch.nn.Module, spec: str = "topk", **codec_params: Any) -> "FSDPCompression":
+def register(model: torch.nn.Module, spec: str = "topk", *, replicate_group: dist.ProcessGroup | None = None,
+             **codec_params: Any) -> "FSDPCompression":
     """Installs gradcomp's reduce-scatter on every FSDP module of model (what fully_shard returned); returns the
-    state (stats, memory_bytes, state_dict / load_state_dict). spec, codec_params: as gradcomp.codec takes them."""
+    state (stats, memory_bytes, state_dict / load_state_dict). spec, codec_params: as gradcomp.codec takes them.
+
+    replicate_group: HSDP with a compressed all-reduce across replicas. Shard the model with fully_shard on the
+    1-D shard mesh (mesh["shard"] of init_device_mesh(device, (replicas, shards), mesh_dim_names=("replicate",
+    "shard"))) and pass the group across replicas (mesh.get_group("replicate")): after each reduce-scatter, FSDP's
+    all-reduce hook runs the two-phase exchange of the shard across the replicas, with error feedback at both
+    ends (the sender's, the size of the shard, and the owner's of its chunk)."""
     if FSDPModule is None or not all(hasattr(FSDPModule, name) for name in SEAM):
         raise RuntimeError(f"gradcomp.fsdp needs FSDP2's custom reduce-scatter (FSDPModule.{SEAM[0]} and "
                            f"{SEAM[1]}, torch >= 2.9); this is torch {torch.__version__}")
@@ -68,6 +76,12 @@ def register(model: torch.nn.Module, spec: str = "topk", **codec_params: Any) ->
         except ValueError as error:  # several parameter groups (per-parameter meshes)
             raise ValueError(f"gradcomp.fsdp: module {index} ({type(module).__name__}): {error}") from None
         module.set_force_sum_reduction_for_comms(True)
+        if replicate_group is not None:
+            if any(group._is_hsdp for group in module._get_fsdp_state()._fsdp_param_groups):
+                raise ValueError(f"gradcomp.fsdp: module {index} is sharded on a 2-D mesh (FSDP's own HSDP, whose "
+                                 f"all-reduce across replicas runs before any hook): for a compressed one, fully_shard "
+                                 f"on the 1-D shard mesh (mesh['shard']) and pass replicate_group")
+            module.set_all_reduce_hook(functools.partial(state.replica_all_reduce, index, replicate_group))
         module._gradcomp_fsdp = state
     state.modules = len(modules)
     return state
@@ -88,7 +102,11 @@ class FSDPCompression:
         self.residuals: dict[int, torch.Tensor] = {}  # module index -> residual of its W x S input
         self._spares: dict[int, torch.Tensor] = {}
         self.steps: dict[int, int] = {}  # module index -> reduce-scatters done
-        self.total = {"wire_bytes": 0, "raw_bytes": 0, "reduce_scatters": 0}
+        # HSDP's exchange across replicas: per module the sender's residual (of the shard) and the owner's (its chunk)
+        self.replica_residuals: dict[int, torch.Tensor] = {}
+        self.owner_residuals: dict[int, torch.Tensor] = {}
+        self.total = {"wire_bytes": 0, "raw_bytes": 0, "reduce_scatters": 0, "replica_wire_bytes": 0,
+                      "replica_raw_bytes": 0}
         self.world_size: int | None = None
 
     # -- one module's reduce-scatter --------------------------------------------------------------------------------
@@ -121,6 +139,58 @@ class FSDPCompression:
         self.total["raw_bytes"] += (world - 1) * output.numel() * output.element_size()  # a ring reduce-scatter's
         self.total["reduce_scatters"] += 1
 
+    def replica_all_reduce(self, index: int, group, shard: torch.Tensor) -> None:
+        """HSDP: shard (this rank's reduce-scatter output) becomes its average over the replicas in group, by the
+        two-phase exchange: chunk j of every replica's shard, encoded with the sender's residual, to replica j, which
+        decodes their average and encodes it again with its owner residual; an all-gather of those gives every
+        replica the same average (bit for bit)."""
+        replicas, me = dist.get_world_size(group), dist.get_rank(group)
+        if replicas == 1:
+            return
+        flat, codec = shard.view(-1), self.codec
+        step = self.steps.get(index, 1) - 1  # the reduce-scatter just done counted this step
+        keys = (self.world_size or 1) ** 2  # random streams apart from the reduce-scatter's
+        residual = self._kept(self.replica_residuals, index, flat.numel(), flat)
+        before = None if residual is None else residual.clone()
+        payloads = codec.encode_chunks(flat, residual, replicas, step=step, bucket=index, first_rank=keys + me * replicas)
+        bounds = chunk_bounds(flat.numel(), replicas)
+        sizes = [codec.payload_nbytes(end - start, flat.dtype) for start, end in bounds]
+        mine = torch.empty(replicas * sizes[me], dtype=torch.uint8, device=flat.device)
+        dist.all_to_all_single(mine, payloads, [sizes[me]] * replicas, sizes, group=group)
+        start, end = bounds[me]
+        average = torch.empty(end - start, dtype=flat.dtype, device=flat.device)
+        owner = self._kept(self.owner_residuals, index, end - start, flat)
+        owner_before = None if owner is None else owner.clone()
+        again = codec.reencode_sum(mine.view(replicas, sizes[me]), average, owner, 1.0 / replicas, step=step,
+                                   bucket=index, rank=keys + replicas * replicas + me)
+        width = max(sizes)
+        row = torch.zeros(width, dtype=torch.uint8, device=flat.device)
+        row[: again.numel()].copy_(again)
+        rows = [torch.empty_like(row) for _ in range(replicas)]
+        dist.all_gather(rows, row, group=group)
+        codec.decode_chunks(torch.stack(rows), flat)
+        for kept, was, finite in ((residual, before, torch.isfinite(flat).all()),
+                                  (owner, owner_before, torch.isfinite(average).all())):
+            if kept is not None:  # a non-finite exchange leaves the residuals as they were
+                torch.where(finite, kept, was, out=kept)
+        self.total["replica_wire_bytes"] += sum(sizes) - sizes[me] + (replicas - 1) * width
+        self.total["replica_raw_bytes"] += 2 * (replicas - 1) * flat.numel() * flat.element_size() // replicas
+
+    def _kept(self, store: dict, index: int, numel: int, like: torch.Tensor) -> torch.Tensor | None:
+        """store[index], a residual of numel elements like `like` (made, or moved to its device), under error
+        feedback."""
+        if not self.codec.error_feedback:
+            return None
+        kept = store.get(index)
+        if kept is None:
+            kept = store[index] = torch.zeros(numel, dtype=like.dtype, device=like.device)
+        elif kept.numel() != numel or kept.dtype != like.dtype:
+            raise ValueError(f"gradcomp.fsdp: module {index}'s residual across replicas is {kept.numel()} "
+                             f"{kept.dtype}, its shard {numel} {like.dtype} (saved for another model?)")
+        elif kept.device != like.device:
+            kept = store[index] = kept.to(like.device)
+        return kept
+
     def _residual(self, index: int, flat: torch.Tensor) -> torch.Tensor | None:
         """This module's residual (its spare holding the one before this step), made or checked for flat."""
         if not self.codec.error_feedback:
@@ -144,14 +214,21 @@ class FSDPCompression:
 
     def stats(self) -> dict[str, Any]:
         """Bytes this rank sent ("wire_bytes": W-1 of its payloads per reduce-scatter) and what FSDP's ring
-        reduce-scatter would have sent ("raw_bytes"), their ratio, and the reduce-scatters done."""
+        reduce-scatter would have sent ("raw_bytes"), their ratio, and the reduce-scatters done; under HSDP the same
+        for the exchange across replicas ("replica_wire_bytes", "replica_raw_bytes": a ring all-reduce of the
+        shard, "replica_ratio")."""
         total = dict(self.total)
         total["ratio"] = total["raw_bytes"] / total["wire_bytes"] if total["wire_bytes"] else 1.0
+        if total["replica_wire_bytes"]:  # HSDP: the exchange across replicas against a ring all-reduce of the shard
+            total["replica_ratio"] = total["replica_raw_bytes"] / total["replica_wire_bytes"]
         return {"world_size": self.world_size, "modules": self.modules, "total": total}
 
     def memory_bytes(self) -> int:
-        """The residuals and their spares: two of each module's unsharded gradient under error feedback."""
-        return sum(t.numel() * t.element_size() for t in [*self.residuals.values(), *self._spares.values()])
+        """The residuals and their spares: two of each module's unsharded gradient under error feedback; under HSDP
+        also the residuals of the shard and of the chunk it owns across replicas."""
+        kept = [*self.residuals.values(), *self._spares.values(), *self.replica_residuals.values(),
+                *self.owner_residuals.values()]
+        return sum(t.numel() * t.element_size() for t in kept)
 
     def config(self) -> dict[str, Any]:
         return {"codec": self.spec, "modules": self.modules, "world_size": self.world_size,
@@ -161,6 +238,8 @@ class FSDPCompression:
         rank = dist.get_rank() if dist.is_initialized() else None
         return {"format": STATE_FORMAT, "kind": "fsdp", "config": self.config(), "rank": rank,
                 "steps": dict(self.steps), "residuals": _to_cpu({k: v.clone() for k, v in self.residuals.items()}),
+                "replica_residuals": _to_cpu({k: v.clone() for k, v in self.replica_residuals.items()}),
+                "owner_residuals": _to_cpu({k: v.clone() for k, v in self.owner_residuals.items()}),
                 "total": dict(self.total)}
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
@@ -182,8 +261,10 @@ class FSDPCompression:
         self.steps = {int(k): int(v) for k, v in saved["steps"].items()}
         # On the CPU until the first reduce-scatter, which moves each to its input's device.
         self.residuals = {int(k): v.clone() for k, v in saved["residuals"].items()}
+        self.replica_residuals = {int(k): v.clone() for k, v in saved.get("replica_residuals", {}).items()}
+        self.owner_residuals = {int(k): v.clone() for k, v in saved.get("owner_residuals", {}).items()}
         self._spares = {}
-        self.total = dict(saved["total"])
+        self.total = {**self.total, **saved["total"]}
         self.world_size = saved["config"].get("world_size")
 
 

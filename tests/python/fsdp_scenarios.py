@@ -89,3 +89,48 @@ def training(rank, world, spec, steps, stop_at=None, saved_by_rank=None):
     out["stats"] = state.stats()
     out["memory"] = state.memory_bytes()
     return out
+
+
+def make_hsdp_model(mesh, native: bool) -> nn.Module:
+    """make_model's layers sharded over the 'shard' dimension of a (replicate, shard) mesh: natively (FSDP's own
+    HSDP, the 2-D mesh), or on the 1-D shard mesh, for gradcomp's exchange across replicas."""
+    torch.manual_seed(1234)
+    model = nn.Sequential(nn.Linear(FEATURES, 45), nn.Tanh(), nn.Linear(45, 41), nn.Tanh(), nn.Linear(41, CLASSES))
+    where = mesh if native else mesh["shard"]
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=where)
+    fully_shard(model, mesh=where)
+    return model
+
+
+def hsdp(rank, world, spec, steps):
+    """2 replicas of 2 shards: the gradients of one backward under FSDP's own HSDP and under gradcomp (reduce-scatter
+    and exchange across replicas compressed), then `steps` SGD steps under gradcomp: this rank's shards."""
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    out = {}
+    for name in ("native", "gradcomp"):
+        model = make_hsdp_model(mesh, native=name == "native")
+        if name == "gradcomp":
+            state = gradcomp.fsdp.register(model, spec, replicate_group=mesh.get_group("replicate"))
+        _step(model, 0, rank)
+        out[name] = [p.grad.to_local().clone() for p in model.parameters()]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(1, steps + 1):
+        optimizer.step()
+        optimizer.zero_grad()
+        _step(model, step, rank)
+    out["shards"] = [p.to_local().clone() for p in model.parameters()]
+    out["stats"], out["memory"] = state.stats(), state.memory_bytes()
+    return out
+
+
+def native_hsdp_with_replicate_group(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    try:
+        gradcomp.fsdp.register(make_hsdp_model(mesh, native=True), "topk", replicate_group=mesh.get_group("replicate"))
+    except ValueError as error:
+        return str(error)
+    return "not refused"

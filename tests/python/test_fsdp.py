@@ -99,3 +99,29 @@ def test_refusals_name_what_is_wrong_and_what_to_do():
     saved = gradcomp.fsdp.FSDPCompression("topk").state_dict()
     with pytest.raises(ValueError, match="codec: saved 'topk:error_feedback=True,ratio=0.01', now 'signsgd"):
         gradcomp.fsdp.FSDPCompression("signsgd").load_state_dict(saved)
+
+
+@pytest.mark.parametrize("spec", ["none", "topk:ratio=0.1", "signsgd", "qsgd"])
+def test_hsdp_with_2_replicas_of_2_shards(spec):
+    """gradcomp's exchange across replicas (the all-reduce hook on the 1-D shard mesh): none gives FSDP's own HSDP's
+    gradients to rounding; with any codec the replicas of a shard stay identical, bit for bit, step after step."""
+    results = unwrap(run_ranks(scenarios.hsdp, 4, (spec, 3)))
+    for result in results:
+        for native, ours in zip(result["native"], result["gradcomp"], strict=True):
+            if spec == "none":
+                assert torch.allclose(native, ours, rtol=1e-5, atol=1e-6)
+            else:
+                assert torch.isfinite(ours).all()
+        total = result["stats"]["total"]
+        assert total["replica_wire_bytes"] > 0
+        if spec != "none":
+            assert total["replica_ratio"] > 2
+        assert (result["memory"] > 0) == (spec in ("topk:ratio=0.1", "signsgd"))  # the error-feedback codecs
+    for shard in (0, 1):  # ranks 0 and 2 hold shard 0 on the two replicas, 1 and 3 shard 1
+        for a, b in zip(results[shard]["shards"], results[shard + 2]["shards"], strict=True):
+            assert torch.equal(a, b)
+
+
+def test_hsdp_on_the_2d_mesh_with_a_replicate_group_is_refused():
+    results = unwrap(run_ranks(scenarios.native_hsdp_with_replicate_group, 4, ()))
+    assert all("sharded on a 2-D mesh" in r and "mesh['shard']" in r for r in results)
