@@ -23,7 +23,8 @@ What it costs and keeps:
 - Only the reduce-scatter is compressed. Under HSDP (a 2-D mesh) the all-reduce across replicas that follows it
   stays FSDP's own, in full precision.
 - PowerSGD needs each parameter's matrix shape, which the flat buffer does not give: it is refused.
-Supported: torch >= 2.9's FSDP2 (FSDPModule.set_custom_reduce_scatter and set_force_sum_reduction_for_comms).
+Needs FSDP2's FSDPModule.set_custom_reduce_scatter and set_force_sum_reduction_for_comms (public methods whose
+protocol lives in a private module): register looks for them and names what is missing. Tested with torch 2.13.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def register(model: torch.nn.Module, spec: str = "topk", *, replicate_group: dis
     ends (the sender's, the size of the shard, and the owner's of its chunk)."""
     if FSDPModule is None or not all(hasattr(FSDPModule, name) for name in SEAM):
         raise RuntimeError(f"gradcomp.fsdp needs FSDP2's custom reduce-scatter (FSDPModule.{SEAM[0]} and "
-                           f"{SEAM[1]}, torch >= 2.9); this is torch {torch.__version__}")
+                           f"{SEAM[1]}, tested with torch 2.13), which torch {torch.__version__} lacks")
     modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
     if not modules:
         raise TypeError(f"gradcomp.fsdp.register takes a model sharded by fully_shard, and {type(model).__name__} "

@@ -80,7 +80,7 @@ def test_network_tiny_mode(tmp_path):
     assert (tmp_path / "network_tiny.png").read_bytes()[:8] == PNG_MAGIC
 
 
-@pytest.mark.parametrize("script", ["network.py", "scaling.py", "hierarchical.py", "policy.py"])
+@pytest.mark.parametrize("script", ["network.py", "scaling.py", "hierarchical.py", "policy.py", "fsdp_bytes.py"])
 def test_network_benchmarks_without_root_explain_and_exit_cleanly(script, tmp_path, monkeypatch, capsys):
     benchmark = load_benchmark(script)
     monkeypatch.setattr(benchmark.os, "geteuid", lambda: 1000)
@@ -496,3 +496,16 @@ def test_elastic_quick_mode_resumes_on_another_world_size(tmp_path):
     assert resumed["test_acc"] > 20 and resumed["ratio"] > 5  # it trained on, compressed, on 4 ranks
     assert resumed["vs_straight"] == pytest.approx(resumed["test_acc"] - runs["2 ranks, never stopped"]["test_acc"])
     assert "then 4" in out and (tmp_path / "elastic_quick.png").read_bytes()[:8] == PNG_MAGIC
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a namespace per rank needs root (the no-root path is above)")
+def test_fsdp_bytes_quick_mode_reads_the_reduce_scatters_bytes_next_to_the_stats(tmp_path):
+    out = run_script(BENCHMARKS / "fsdp_bytes.py", "--quick", "--width", "512", "--out", tmp_path)
+    rows = {row["config"]: row for row in json.loads((tmp_path / "fsdp_bytes_quick.json").read_text())["rows"]}
+    assert set(rows) == {"plain FSDP2", "signsgd", "topk:ratio=0.01"}, out
+    plain = rows["plain FSDP2"]["measured_bytes_per_step"]
+    assert plain > 4 * (256 * 512 + 2 * 512 * 512) / 2  # at least a ring's half of the fp32 gradient
+    for spec in ("signsgd", "topk:ratio=0.01"):
+        assert 0.8 < rows[spec]["stats_vs_measured"] < 1.25, rows[spec]
+        assert rows[spec]["measured_bytes_per_step"] < plain / 10
+    assert (tmp_path / "fsdp_bytes_quick.png").read_bytes()[:8] == PNG_MAGIC

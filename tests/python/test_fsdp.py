@@ -87,7 +87,11 @@ def test_resume_repeats_the_uninterrupted_run_bit_for_bit(spec):
     assert any(not torch.equal(x, y) for x, y in zip(straight[0]["shards"], fresh[0]["shards"]))
 
 
-def test_refusals_name_what_is_wrong_and_what_to_do():
+def test_refusals_name_what_is_wrong_and_what_to_do(monkeypatch):
+    with monkeypatch.context() as patched:
+        patched.setattr(gradcomp.fsdp, "FSDPModule", None)  # a torch without FSDP2's seam
+        with pytest.raises(RuntimeError, match="needs FSDP2's custom reduce-scatter .*set_custom_reduce_scatter"):
+            gradcomp.fsdp.register(torch.nn.Linear(2, 2), "topk")
     with pytest.raises(TypeError, match="holds no FSDP module: call torch.distributed.fsdp.fully_shard"):
         gradcomp.fsdp.register(torch.nn.Linear(2, 2), "topk")
     with pytest.raises(ValueError, match="powersgd compresses each parameter as a matrix"):
