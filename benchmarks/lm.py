@@ -244,14 +244,28 @@ def validation_loss(model: nn.Module, val: torch.Tensor, config: Config, world: 
     return (total[0] / total[1]).item()
 
 
+def sharded(model: Transformer, spec: str):
+    """--fsdp: every block and then the whole model under FSDP2 (fully_shard), and gradcomp.fsdp's reduce-scatter;
+    returns (the model to call, the state)."""
+    from torch.distributed.fsdp import fully_shard
+    import gradcomp.fsdp
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    return model, gradcomp.fsdp.register(model, spec)
+
+
 def train_one(corpus: dict, config: Config, spec: str, seed: int, world: int, rank: int,
-              device: torch.device, scheme: str = "auto") -> dict:
+              device: torch.device, scheme: str = "auto", fsdp: bool = False) -> dict:
     """One run; returns rank 0's view of the result (every rank computes the same)."""
     torch.manual_seed(seed)
     model = Transformer(corpus["vocab_size"], config).to(device)
+    if fsdp:
+        ddp, state = sharded(model, spec)  # the optimizer then takes the sharded parameters
+    else:
+        ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        state = register_codec(ddp, spec, scheme)
     optimizer = make_optimizer(model, config)
-    ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    state = register_codec(ddp, spec, scheme)
     warmup = max(int(config.steps * config.warmup_fraction), 1)
     train_losses, diverged_at = [], None
     started = time.perf_counter()
@@ -264,6 +278,8 @@ def train_one(corpus: dict, config: Config, spec: str, seed: int, world: int, ra
         loss.backward()
         # The norm of the averaged gradient is the same on every rank, so every rank stops at the same step.
         grad_norm = clip_gradients(model, config)
+        if hasattr(grad_norm, "full_tensor"):  # FSDP2's parameters are DTensors, and so is their norm
+            grad_norm = grad_norm.full_tensor()
         if not torch.isfinite(grad_norm):
             diverged_at = step
             break
@@ -282,14 +298,15 @@ def train_one(corpus: dict, config: Config, spec: str, seed: int, world: int, ra
             "steps": len(train_losses), "wire_bytes_per_step": total["wire_bytes"] / steps_done,
             "raw_bytes_per_step": total["raw_bytes"] / steps_done,
             "ratio": total["raw_bytes"] / total["wire_bytes"] if total["wire_bytes"] else float("nan"),
-            "world_size": world, "schemes": state.stats()["schemes"], "train_seconds": train_seconds,
+            "world_size": world, "schemes": state.stats().get("schemes", "fsdp" if fsdp else None),
+            "fsdp": fsdp, "train_seconds": train_seconds,
             "seconds": time.perf_counter() - started}
 
 
 def rank_main(rank: int, world: int, backend: str, plan: list, corpus: dict, args, results_path: str):
     def run_one(item, device):
         family, spec, seed = item
-        run = train_one(corpus, args.config, spec, seed, world, rank, device, args.scheme)
+        run = train_one(corpus, args.config, spec, seed, world, rank, device, args.scheme, args.fsdp)
         run.update(family=family, date=time.strftime("%Y-%m-%d"))
         return run
 
@@ -390,6 +407,9 @@ def parse_args(argv=None):
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--scheme", default="auto", choices=gradcomp.schemes.SCHEME_OPTIONS,
                         help="how signsgd, terngrad, qsgd and topk travel (auto: the one sending fewer bytes)")
+    parser.add_argument("--fsdp", action="store_true",
+                        help="FSDP2 (fully_shard on every block and the model) with gradcomp.fsdp instead of DDP; "
+                             "results lm_fsdp[_quick].* (powersgd is not available there)")
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
     parser.add_argument("--replot", action="store_true", help="only redraw the plot from the results in --out")
     parser.add_argument("--fresh", action="store_true",
@@ -402,6 +422,8 @@ def parse_args(argv=None):
     if args.quick:
         args.seeds = args.seeds or [0]
         args.codecs = args.codecs or QUICK_SPECS
+    if args.fsdp:
+        args.codecs = [s for s in (args.codecs or [spec for _, spec in SPECS]) if not s.startswith("powersgd")]
     for spec in args.codecs or []:
         check_spec(spec)
     return args
@@ -420,7 +442,7 @@ def build_plan(args) -> list[tuple]:
 def main(argv=None) -> None:
     args = parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, "lm" + ("_quick" if args.quick else ""))
+    stem = os.path.join(args.out, "lm" + ("_fsdp" if args.fsdp else "") + ("_quick" if args.quick else ""))
     if args.replot:
         with open(stem + ".json") as f:
             report = json.load(f)

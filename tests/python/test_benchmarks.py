@@ -182,6 +182,20 @@ def test_lm_quick_mode_learns_and_writes(tmp_path):
     assert "bigram" in out
 
 
+@pytest.mark.needs("bible")
+def test_lm_quick_mode_under_fsdp2(tmp_path):
+    out = run_script(BENCHMARKS / "lm.py", "--quick", "--fsdp", "--codecs", "none", "topk:ratio=0.01", "powersgd:rank=2",
+                     "--out", tmp_path)
+    report = json.loads((tmp_path / "lm_fsdp_quick.json").read_text())
+    rows = {row["spec"]: row for row in report["summary"]}
+    assert set(rows) == {"none", "topk:ratio=0.01"}, out  # powersgd left out: FSDP's reduce-scatter has no matrices
+    assert all(run["fsdp"] for run in report["runs"])
+    assert 0.99 < rows["none"]["ratio"] <= 1.0 and rows["topk:ratio=0.01"]["ratio"] > 10  # none: headers only
+    for row in rows.values():  # better than guessing uniformly (topk under AdamW is slow to start: a short run)
+        assert row["diverged"] == 0 and 1 < row["ppl_mean"] < report["model"]["vocab"]
+    assert rows["none"]["ppl_mean"] < report["model"]["vocab"] / 2
+
+
 def test_lm_split_holds_out_whole_chapters_and_fits_the_vocabulary_on_training_text():
     lm = load_benchmark("lm.py")
 
