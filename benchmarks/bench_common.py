@@ -10,6 +10,7 @@ import platform
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -141,6 +142,19 @@ class Namespaces:
             subprocess.run(["ip", "link", "del", f"{self.prefix}v{i}"], check=False, stderr=subprocess.DEVNULL)
             subprocess.run(["ip", "netns", "del", self.namespace(i)], check=False, stderr=subprocess.DEVNULL)
         subprocess.run(["ip", "link", "del", self.bridge], check=False, stderr=subprocess.DEVNULL)
+
+
+def run_in_namespaces(prefix: str, world: int, subnet: str, rate: str | None, script: str, port: int,
+                      arguments: list[str], timeout: float, what: str):
+    """Runs `script` once per rank, each in a namespace of its own (Namespaces) with gloo on its eth0, as
+    `script --rank R --world W --port P --rank-out OUT *arguments`; returns what rank 0 wrote to OUT."""
+    with tempfile.TemporaryDirectory() as tmp, Namespaces(prefix, world, subnet, rate) as links:
+        out = os.path.join(tmp, "result.json")
+        environment = {**os.environ, "GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1"}
+        commands = [["ip", "netns", "exec", links.namespace(rank), sys.executable, os.path.abspath(script),
+                     "--rank", str(rank), "--world", str(world), "--port", str(port), "--rank-out", out, *arguments]
+                    for rank in range(world)]
+        return run_rank_commands(commands, environment, out, timeout, what)
 
 
 def run_rank_commands(commands: list[list[str]], environment: dict, out_path: str, timeout: float, what: str) -> dict:

@@ -17,7 +17,6 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
@@ -26,8 +25,7 @@ import torch.nn as nn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.join(ROOT, "benchmarks")]
-from bench_common import Namespaces, machine, namespace_rank_main, run_rank_commands, shaping_problem, \
-    write_results  # noqa: E402
+from bench_common import machine, namespace_rank_main, run_in_namespaces, shaping_problem, write_results  # noqa: E402
 from scaling import counters  # noqa: E402
 
 SUBNET = "10.77.0"
@@ -110,15 +108,9 @@ def rank_main(args) -> None:
 
 
 def run_world(args, world: int, configs: list[str]) -> dict:
-    with tempfile.TemporaryDirectory() as tmp, Namespaces("gcf", world, SUBNET, None) as links:
-        out = os.path.join(tmp, "result.json")
-        environment = {**os.environ, "GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1"}
-        commands = [["ip", "netns", "exec", links.namespace(rank), sys.executable, os.path.abspath(__file__),
-                     "--rank", str(rank), "--world", str(world), "--port", "29410", "--rank-out", out,
-                     "--steps", str(args.steps), "--warmup", str(args.warmup), "--width", str(args.width),
-                     "--configs", *configs]
-                    for rank in range(world)]
-        return run_rank_commands(commands, environment, out, args.timeout, f"{world} ranks")
+    return run_in_namespaces("gcf", world, SUBNET, None, __file__, 29410,
+                             ["--steps", str(args.steps), "--warmup", str(args.warmup), "--width", str(args.width),
+                              "--configs", *configs], args.timeout, f"{world} ranks")
 
 
 def rows_of(world: int, runs: dict) -> list[dict]:

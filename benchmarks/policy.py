@@ -27,7 +27,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
@@ -40,7 +39,7 @@ import gradcomp
 
 sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)),
                 os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")]
-from bench_common import Namespaces, machine, run_rank_commands, shaping_problem, write_results  # noqa: E402
+from bench_common import machine, run_in_namespaces, shaping_problem, write_results  # noqa: E402
 from network import resnet18  # noqa: E402
 from scaling import make_model as large_gradient_mlp, no_communication  # noqa: E402
 from train_ddp import finish_spawned_rank  # noqa: E402
@@ -163,14 +162,10 @@ def rank_main(args) -> None:
 
 def run_world(args, world: int, link: str) -> list:
     rate = None if link == "unshaped" else link
-    with tempfile.TemporaryDirectory() as tmp, Namespaces("gcp", world, SUBNET, rate) as links:
-        out = os.path.join(tmp, "result.json")
-        environment = {**os.environ, "GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1"}
-        commands = [["ip", "netns", "exec", links.namespace(rank), sys.executable, os.path.abspath(__file__),
-                     "--rank", str(rank), "--world", str(world), "--port", "29410", "--rank-out", out,
-                     "--steps", str(args.steps), "--warmup", str(args.warmup), "--rounds", str(args.rounds),
-                     "--models", *args.models, "--codecs", *args.codecs] for rank in range(world)]
-        return run_rank_commands(commands, environment, out, args.timeout, f"{world} ranks, {link}")
+    return run_in_namespaces("gcp", world, SUBNET, rate, __file__, 29410,
+                             ["--steps", str(args.steps), "--warmup", str(args.warmup), "--rounds", str(args.rounds),
+                              "--models", *args.models, "--codecs", *args.codecs], args.timeout,
+                             f"{world} ranks, {link}")
 
 
 # -- the report --------------------------------------------------------------------------------------------------------

@@ -28,7 +28,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 import numpy as np
@@ -41,7 +40,7 @@ import gradcomp
 
 sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)),
                 os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")]
-from bench_common import (Namespaces, machine, namespace_rank_main, run_rank_commands, shaping_problem,  # noqa: E402
+from bench_common import (machine, namespace_rank_main, run_in_namespaces, shaping_problem,  # noqa: E402
                           write_results)
 from train_ddp import finish_spawned_rank  # noqa: E402
 
@@ -142,14 +141,9 @@ def rank_main(args) -> None:
 
 def run_world(args, world: int, rate: str | None, configs: list[str]) -> dict:
     """Every configuration on world ranks, each in its own namespace: {label: [each rank's result]}."""
-    with tempfile.TemporaryDirectory() as tmp, Namespaces("gcs", world, SUBNET, rate) as links:
-        out = os.path.join(tmp, "result.json")
-        environment = {**os.environ, "GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1"}
-        commands = [["ip", "netns", "exec", links.namespace(rank), sys.executable, os.path.abspath(__file__),
-                     "--rank", str(rank), "--world", str(world), "--port", "29400", "--rank-out", out,
-                     "--steps", str(args.steps), "--warmup", str(args.warmup), "--configs", *configs]
-                    for rank in range(world)]
-        return run_rank_commands(commands, environment, out, args.timeout, f"{world} ranks ({rate or 'unshaped'})")
+    return run_in_namespaces("gcs", world, SUBNET, rate, __file__, 29400,
+                             ["--steps", str(args.steps), "--warmup", str(args.warmup), "--configs", *configs],
+                             args.timeout, f"{world} ranks ({rate or 'unshaped'})")
 
 
 # -- the report --------------------------------------------------------------------------------------------------------

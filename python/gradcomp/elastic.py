@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from .checkpoint import STATE_FORMAT, every_rank_world_size, this_ranks_entry
+from .schemes import PLANS, AllgatherBucket, fixed_scheme
 
 
 def spread(state, saved: dict[str, Any], world: int, rank: int) -> dict[str, Any]:
@@ -35,6 +36,15 @@ def spread(state, saved: dict[str, Any], world: int, rank: int) -> dict[str, Any
     steps = {int(entry["iter"]) for entry in entries}
     if len(steps) > 1:
         raise ValueError(f"gradcomp: the saved ranks stood at different steps ({sorted(steps)}): not one checkpoint")
+    first_config = {k: v for k, v in entries[0]["config"].items() if k != "world_size"}
+    for r, entry in enumerate(entries):
+        if entry.get("rank") not in (None, r):
+            raise ValueError(f"gradcomp: the every-rank state's entry {r} holds rank {entry['rank']}'s state: the "
+                             f"entries are not one save of every rank")
+        config = {k: v for k, v in entry["config"].items() if k != "world_size"}
+        if config != first_config:
+            raise ValueError(f"gradcomp: the saved ranks' configurations differ (rank 0: {first_config}, rank {r}: "
+                             f"{config}): not one run's checkpoint")
     summed: dict[int, dict[str, torch.Tensor]] = {}
     for r, entry in enumerate(entries):
         for key, piece in _pieces(state, entry, saved_world, r).items():
@@ -46,10 +56,18 @@ def spread(state, saved: dict[str, Any], world: int, rank: int) -> dict[str, Any
                 residual = piece["residual"].double()
                 into["residual"] = residual if "residual" not in into else into["residual"] + residual
     pool = {}
+    shapes = _parameter_shapes(entries)
+    layout = PLANS[fixed_scheme(state.codec) or AllgatherBucket.scheme].piece_layout
     for key, piece in summed.items():
-        pool[key] = {**({"q": piece["q"]} if "q" in piece else {}),
-                     **({"residual": (piece["residual"] / saved_world).to(piece["dtype"])}
-                        if "residual" in piece else {})}
+        averaged = {**({"q": piece["q"]} if "q" in piece else {}),
+                    **({"residual": (piece["residual"] / saved_world).to(piece["dtype"])} if "residual" in piece else {})}
+        # In the layout of a flat scheme's pieces (a hierarchical bucket's are flat, PowerSGD's matrices): what has
+        # no place there (a vector PowerSGD sends whole) was not held back by its flat scheme either, and is left.
+        expected = layout(state.codec, *shapes[key]) if key in shapes else {}
+        kept = {name: tensor.reshape(expected[name][0]).to(expected[name][1])
+                for name, tensor in averaged.items() if name in expected}
+        if kept:
+            pool[key] = kept
     first = entries[0]
     layouts = first.get("warmup_buckets") or [
         {"index": b["index"], "keys": b["keys"], "shapes": b["shapes"], "dtype": b["dtype"]} for b in first["buckets"]]
@@ -58,6 +76,16 @@ def spread(state, saved: dict[str, Any], world: int, rank: int) -> dict[str, Any
         "iter": first["iter"], "buckets": [], "start_buckets": [], "warmup_buckets": layouts, "pool": pool,
         "total": entries[rank % saved_world]["total"], "decision": None,
     }
+
+
+def _parameter_shapes(entries: list) -> dict:
+    """Parameter key -> (shape, dtype), from the saved buckets' layouts."""
+    shapes = {}
+    for entry in entries:
+        for saved in [*entry["buckets"], *entry.get("warmup_buckets", [])]:
+            for key, shape in zip(saved["keys"], saved["shapes"]):
+                shapes[int(key)] = (torch.Size(shape), getattr(torch, saved["dtype"]))
+    return shapes
 
 
 def _pieces(state, entry: dict, world: int, rank: int) -> dict:

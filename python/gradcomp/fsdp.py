@@ -20,8 +20,10 @@ What it costs and keeps:
 - A row whose gradient + residual is not finite keeps the residual it had (no NaN is carried into later steps);
   its payload carries the NaN or Inf to the rank that owns it, whose shard then holds it (a GradScaler skips the
   step). Other rows' residuals take in that step's gradient, as the DDP hook's finite buckets do.
-- Only the reduce-scatter is compressed. Under HSDP (a 2-D mesh) the all-reduce across replicas that follows it
-  stays FSDP's own, in full precision.
+- The parameters' all-gathers are not compressed. Under FSDP's own HSDP (a 2-D mesh) neither is its all-reduce
+  across replicas (in FSDP's reduce dtype); register's replicate_group compresses that exchange too (below).
+  Under gradient accumulation that exchange runs at every micro-step (FSDP's set_requires_all_reduce governs
+  its own HSDP only).
 - PowerSGD needs each parameter's matrix shape, which the flat buffer does not give: it is refused.
 Needs FSDP2's FSDPModule.set_custom_reduce_scatter and set_force_sum_reduction_for_comms (public methods whose
 protocol lives in a private module): register looks for them and names what is missing. Tested with torch 2.13.
@@ -38,6 +40,7 @@ import torch.distributed as dist
 from . import _ops
 from .checkpoint import STATE_FORMAT, _to_cpu
 from .codecs import chunk_bounds, codec as make_codec
+from .schemes.two_phase import OWNER_FAILED
 from .powersgd import PowerSGD
 
 try:
@@ -68,20 +71,23 @@ def register(model: torch.nn.Module, spec: str = "topk", *, replicate_group: dis
                         f"holds no FSDP module: call torch.distributed.fsdp.fully_shard on its blocks and on the "
                         f"model first (for DistributedDataParallel, use gradcomp.register)")
     state = FSDPCompression(spec, **codec_params)
-    for index, module in enumerate(modules):
+    for index, module in enumerate(modules):  # every module checked before any is changed
         if getattr(module, "_gradcomp_fsdp", None) is not None:
             raise RuntimeError(f"gradcomp.fsdp: module {index} ({type(module).__name__}) has gradcomp's "
                                f"reduce-scatter already")
-        try:
-            module.set_custom_reduce_scatter(CompressedReduceScatter(state, index))
-        except ValueError as error:  # several parameter groups (per-parameter meshes)
-            raise ValueError(f"gradcomp.fsdp: module {index} ({type(module).__name__}): {error}") from None
+        groups = getattr(module._get_fsdp_state(), "_fsdp_param_groups", None) or []
+        if len(groups) > 1:
+            raise ValueError(f"gradcomp.fsdp: module {index} ({type(module).__name__}) has {len(groups)} parameter "
+                             f"groups (per-parameter meshes, shard_placement_fn); gradcomp's reduce-scatter takes one "
+                             f"flat buffer per module: shard it without per-parameter meshes")
+        if replicate_group is not None and any(getattr(group, "_is_hsdp", False) for group in groups):
+            raise ValueError(f"gradcomp.fsdp: module {index} is sharded on a 2-D mesh (FSDP's own HSDP, whose "
+                             f"all-reduce across replicas runs before any hook): for a compressed one, fully_shard "
+                             f"on the 1-D shard mesh (mesh['shard']) and pass replicate_group")
+    for index, module in enumerate(modules):
+        module.set_custom_reduce_scatter(CompressedReduceScatter(state, index))
         module.set_force_sum_reduction_for_comms(True)
         if replicate_group is not None:
-            if any(group._is_hsdp for group in module._get_fsdp_state()._fsdp_param_groups):
-                raise ValueError(f"gradcomp.fsdp: module {index} is sharded on a 2-D mesh (FSDP's own HSDP, whose "
-                                 f"all-reduce across replicas runs before any hook): for a compressed one, fully_shard "
-                                 f"on the 1-D shard mesh (mesh['shard']) and pass replicate_group")
             module.set_all_reduce_hook(functools.partial(state.replica_all_reduce, index, replicate_group))
         module._gradcomp_fsdp = state
     state.modules = len(modules)
@@ -103,28 +109,32 @@ class FSDPCompression:
         self.residuals: dict[int, torch.Tensor] = {}  # module index -> residual of its W x S input
         self._spares: dict[int, torch.Tensor] = {}
         self.steps: dict[int, int] = {}  # module index -> reduce-scatters done
+        self.replica_steps: dict[int, int] = {}  # module index -> exchanges across replicas done
         # HSDP's exchange across replicas: per module the sender's residual (of the shard) and the owner's (its chunk)
         self.replica_residuals: dict[int, torch.Tensor] = {}
         self.owner_residuals: dict[int, torch.Tensor] = {}
         self.total = {"wire_bytes": 0, "raw_bytes": 0, "reduce_scatters": 0, "replica_wire_bytes": 0,
                       "replica_raw_bytes": 0}
-        self.world_size: int | None = None
+        self._checks: list = []  # CUDA: (pinned status, event, module, step, what) not read yet
+        self.world_size: int | None = None  # all the ranks (the shard group's size times the replicas')
 
     # -- one module's reduce-scatter --------------------------------------------------------------------------------
 
     def reduce_scatter(self, index: int, output: torch.Tensor, flat: torch.Tensor, group) -> None:
-        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        world = dist.get_world_size(group)
         if flat.numel() != world * output.numel():
             raise ValueError(f"gradcomp.fsdp: module {index}'s reduce-scatter input holds {flat.numel()} elements, "
                              f"not {world} x the {output.numel()} of its output")
         if flat.dtype not in _ops.DTYPE_IDS:
             raise ValueError(f"gradcomp.fsdp: module {index} reduces in {flat.dtype}; gradcomp's codecs take "
                              f"{', '.join(map(str, _ops.DTYPE_IDS))}")
-        self.world_size = world
+        everyone, me = dist.get_world_size(), dist.get_rank()
+        self.world_size = everyone
         residual = self._residual(index, flat)
         step = self.steps.get(index, 0)
-        # Each (sender, row) pair its own random stream: sender r's row j is stream r * W + j.
-        payloads = self.codec.encode_chunks(flat, residual, world, step=step, bucket=index, first_rank=rank * world)
+        # Each (sender, row) pair its own random stream, also across replicas: sender g's row j is g * W + j.
+        payloads = self.codec.encode_chunks(flat, residual, world, step=step, bucket=index,
+                                            first_rank=_stream(me * world, world))
         if residual is not None:  # a row whose gradient is not finite keeps its residual (the codec may not show it
             # there: topk sends a NaN and zeroes its place); the residual before was finite, and m = grad + residual
             # saturates, so the gradient's row decides
@@ -134,7 +144,9 @@ class FSDPCompression:
         size = payloads.numel() // world  # the rows are of equal size: FSDP pads each parameter to W rows
         received = torch.empty_like(payloads)
         dist.all_to_all_single(received, payloads, group=group)
-        self.codec.decode_sum(received.view(world, size), output, 1.0)
+        status = self._status(output.device)
+        self.codec.decode_sum(received.view(world, size), output, 1.0, status=status)
+        self._defer(status, index, step, "reduce-scatter")
         self.steps[index] = step + 1
         self.total["wire_bytes"] += (world - 1) * size
         self.total["raw_bytes"] += (world - 1) * output.numel() * output.element_size()  # a ring reduce-scatter's
@@ -149,27 +161,48 @@ class FSDPCompression:
         if replicas == 1:
             return
         flat, codec = shard.view(-1), self.codec
-        step = self.steps.get(index, 1) - 1  # the reduce-scatter just done counted this step
-        keys = (self.world_size or 1) ** 2  # random streams apart from the reduce-scatter's
-        residual = self._kept(self.replica_residuals, index, flat.numel(), flat)
+        step = self.replica_steps.get(index, 0)  # its own count: with one rank per replica no reduce-scatter runs
+        everyone, global_rank = dist.get_world_size(), dist.get_rank()
+        self.world_size = everyone
+        # Random streams apart from the reduce-scatter's (which end below everyone * shards <= everyone ** 2).
+        keys = everyone * everyone
+        residual = self._kept(self.replica_residuals, index, flat.numel(), flat, "residual of the shard")
         before = None if residual is None else residual.clone()
-        payloads = codec.encode_chunks(flat, residual, replicas, step=step, bucket=index, first_rank=keys + me * replicas)
+        payloads = codec.encode_chunks(flat, residual, replicas, step=step, bucket=index,
+                                       first_rank=_stream(keys + global_rank * replicas, replicas))
         bounds = chunk_bounds(flat.numel(), replicas)
         sizes = [codec.payload_nbytes(end - start, flat.dtype) for start, end in bounds]
         mine = torch.empty(replicas * sizes[me], dtype=torch.uint8, device=flat.device)
         dist.all_to_all_single(mine, payloads, [sizes[me]] * replicas, sizes, group=group)
         start, end = bounds[me]
         average = torch.empty(end - start, dtype=flat.dtype, device=flat.device)
-        owner = self._kept(self.owner_residuals, index, end - start, flat)
+        owner = self._kept(self.owner_residuals, index, end - start, flat, "owner's residual of its chunk")
         owner_before = None if owner is None else owner.clone()
-        again = codec.reencode_sum(mine.view(replicas, sizes[me]), average, owner, 1.0 / replicas, step=step,
-                                   bucket=index, rank=keys + replicas * replicas + me)
         width = max(sizes)
         row = torch.zeros(width, dtype=torch.uint8, device=flat.device)
-        row[: again.numel()].copy_(again)
-        rows = [torch.empty_like(row) for _ in range(replicas)]
-        dist.all_gather(rows, row, group=group)
-        codec.decode_chunks(torch.stack(rows), flat)
+        failed, status = None, self._status(flat.device)
+        try:
+            again = codec.reencode_sum(mine.view(replicas, sizes[me]), average, owner, 1.0 / replicas, step=step,
+                                       bucket=index, rank=_stream(keys + everyone * replicas + global_rank, 1), status=status)
+            row[: again.numel()].copy_(again)
+        except Exception as error:  # the other replicas wait in the all-gather: they get a row saying so
+            failed = error
+            notice = (OWNER_FAILED + str(error).encode(errors="replace"))[:width]
+            row[: len(notice)].copy_(torch.frombuffer(bytearray(notice), dtype=torch.uint8))
+        rows = torch.empty((replicas, width), dtype=torch.uint8, device=flat.device)
+        dist.all_gather(list(rows.unbind(0)), row, group=group)
+        if failed is not None:
+            raise failed
+        if not rows.is_cuda:  # (on CUDA the device's checks refuse such a row: it is not a payload)
+            marker = torch.frombuffer(bytearray(OWNER_FAILED), dtype=torch.uint8)
+            owners = (rows[:, : len(OWNER_FAILED)] == marker).all(dim=1).nonzero().flatten().tolist()
+            if owners:
+                said = bytes(rows[owners[0], len(OWNER_FAILED):].tolist()).rstrip(b"\0").decode(errors="replace")
+                raise RuntimeError(f"gradcomp.fsdp: replica {owners[0]}, which owns chunk {owners[0]} of module "
+                                   f"{index}'s shard, could not re-encode it at step {step}: {said}")
+        codec.decode_chunks(rows, flat, status=status)
+        self._defer(status, index, step, "exchange across replicas")
+        self.replica_steps[index] = step + 1
         for kept, was, finite in ((residual, before, torch.isfinite(flat).all()),
                                   (owner, owner_before, torch.isfinite(average).all())):
             if kept is not None:  # a non-finite exchange leaves the residuals as they were
@@ -177,7 +210,34 @@ class FSDPCompression:
         self.total["replica_wire_bytes"] += sum(sizes) - sizes[me] + (replicas - 1) * width
         self.total["replica_raw_bytes"] += 2 * (replicas - 1) * flat.numel() * flat.element_size() // replicas
 
-    def _kept(self, store: dict, index: int, numel: int, like: torch.Tensor) -> torch.Tensor | None:
+    # On CUDA the payloads are checked on the device, into a status word read back a step later from pinned
+    # memory (no host-device sync in the step; a malformed payload sets the output to NaN meanwhile).
+    def _status(self, device: torch.device) -> torch.Tensor | None:
+        if device.type != "cuda":
+            return None  # the CPU's checks raise at once
+        self._read_checks()
+        return torch.zeros(1, dtype=torch.int32, device=device)
+
+    def _defer(self, status: torch.Tensor | None, index: int, step: int, what: str) -> None:
+        if status is None:
+            return
+        pinned = torch.empty(1, dtype=torch.int32, pin_memory=True)
+        pinned.copy_(status, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._checks.append((pinned, event, index, step, what))
+
+    def _read_checks(self) -> None:
+        for entry in list(self._checks):
+            pinned, event, index, step, what = entry
+            if not event.query():
+                continue
+            self._checks.remove(entry)
+            if int(pinned.item()):
+                raise RuntimeError(f"gradcomp.fsdp: module {index}'s {what} at step {step} received a malformed "
+                                   f"payload (problem bits {int(pinned.item()):#x}); that shard was set to NaN")
+
+    def _kept(self, store: dict, index: int, numel: int, like: torch.Tensor, what: str) -> torch.Tensor | None:
         """store[index], a residual of numel elements like `like` (made, or moved to its device), under error
         feedback."""
         if not self.codec.error_feedback:
@@ -186,8 +246,8 @@ class FSDPCompression:
         if kept is None:
             kept = store[index] = torch.zeros(numel, dtype=like.dtype, device=like.device)
         elif kept.numel() != numel or kept.dtype != like.dtype:
-            raise ValueError(f"gradcomp.fsdp: module {index}'s residual across replicas is {kept.numel()} "
-                             f"{kept.dtype}, its shard {numel} {like.dtype} (saved for another model?)")
+            raise ValueError(f"gradcomp.fsdp: module {index}'s {what} holds {kept.numel()} {kept.dtype}, and this "
+                             f"step needs {numel} {like.dtype} (was the state saved for another model?)")
         elif kept.device != like.device:
             kept = store[index] = kept.to(like.device)
         return kept
@@ -218,6 +278,7 @@ class FSDPCompression:
         reduce-scatter would have sent ("raw_bytes"), their ratio, and the reduce-scatters done; under HSDP the same
         for the exchange across replicas ("replica_wire_bytes", "replica_raw_bytes": a ring all-reduce of the
         shard, "replica_ratio")."""
+        self._read_checks()
         total = dict(self.total)
         total["ratio"] = total["raw_bytes"] / total["wire_bytes"] if total["wire_bytes"] else 1.0
         if total["replica_wire_bytes"]:  # HSDP: the exchange across replicas against a ring all-reduce of the shard
@@ -238,14 +299,17 @@ class FSDPCompression:
     def state_dict(self) -> dict[str, Any]:
         rank = dist.get_rank() if dist.is_initialized() else None
         return {"format": STATE_FORMAT, "kind": "fsdp", "config": self.config(), "rank": rank,
-                "steps": dict(self.steps), "residuals": _to_cpu({k: v.clone() for k, v in self.residuals.items()}),
+                "steps": dict(self.steps), "replica_steps": dict(self.replica_steps), "residuals": _to_cpu({k: v.clone() for k, v in self.residuals.items()}),
                 "replica_residuals": _to_cpu({k: v.clone() for k, v in self.replica_residuals.items()}),
                 "owner_residuals": _to_cpu({k: v.clone() for k, v in self.owner_residuals.items()}),
                 "total": dict(self.total)}
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         if not isinstance(saved, dict) or saved.get("format") != STATE_FORMAT or saved.get("kind") != "fsdp":
-            raise ValueError("gradcomp.fsdp: not a state that gradcomp.fsdp saved")
+            found = (f"a dict of format {saved.get('format')!r}, kind {saved.get('kind')!r}" if isinstance(saved, dict)
+                     else type(saved).__name__)
+            raise ValueError(f"gradcomp.fsdp: not a state that gradcomp.fsdp saved (got {found}; a DDP hook's state "
+                             f"loads into gradcomp.register's CompressionState)")
         mine = self.config()
         differing = {k: (saved["config"].get(k), v) for k, v in mine.items()
                      if k != "world_size" and saved["config"].get(k) != v}
@@ -260,6 +324,7 @@ class FSDPCompression:
             raise ValueError(f"gradcomp.fsdp: this state holds rank {saved['rank']}'s residuals; this is rank {rank} "
                              f"(every rank loads the state it saved)")
         self.steps = {int(k): int(v) for k, v in saved["steps"].items()}
+        self.replica_steps = {int(k): int(v) for k, v in saved.get("replica_steps", {}).items()}
         # On the CPU until the first reduce-scatter, which moves each to its input's device.
         self.residuals = {int(k): v.clone() for k, v in saved["residuals"].items()}
         self.replica_residuals = {int(k): v.clone() for k, v in saved.get("replica_residuals", {}).items()}
@@ -267,6 +332,15 @@ class FSDPCompression:
         self._spares = {}
         self.total = {**self.total, **saved["total"]}
         self.world_size = saved["config"].get("world_size")
+
+
+def _stream(first: int, count: int) -> int:
+    """first, checked: the random stream keys first .. first + count - 1 must stay below 2**32 - 1 (the last is
+    the shared stream)."""
+    if first + count >= 0xFFFFFFFF:
+        raise ValueError(f"gradcomp.fsdp: {dist.get_world_size()} ranks need random stream keys beyond 2**32; gradcomp "
+                         f"keys a stream per sender and row, which this world size exhausts")
+    return first
 
 
 class CompressedReduceScatter(ReduceScatter):

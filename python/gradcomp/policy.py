@@ -127,7 +127,8 @@ class Cost:
         return self.encode + self.wire + self.middle + self.second + self.decode
 
     def parts(self) -> list[float]:
-        return [self.encode, self.wire, self.middle, self.second, self.decode]
+        """The fields in the constructor's order (Cost(*c.parts()) == c)."""
+        return [self.encode, self.wire, self.decode, self.middle, self.second]
 
 
 class CostModel:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 from typing import Any
 
 import torch
@@ -39,6 +40,7 @@ from .registration import register as register_hook
 from .state import CompressionState
 
 STATE_FILE = "gradcomp_state_rank{rank}.pt"
+STATE_FILE_NAME = re.compile(r"gradcomp_state_rank(\d+)\.pt")
 
 
 def register(trainer, spec: "str | CompressionState" = "topk", *, missing_state: str = "error",
@@ -88,6 +90,9 @@ class GradcompTrainerCallback(TrainerCallback):
         if missing_state not in ("error", "fresh"):
             raise ValueError(f"gradcomp.transformers: missing_state={missing_state!r}; it takes 'error' (refuse a "
                              f"checkpoint without gradcomp's state) or 'fresh' (start compression anew from it)")
+        if isinstance(spec, CompressionState) and options:
+            raise ValueError(f"gradcomp.transformers: options ({', '.join(options)}) go with a spec, not with a "
+                             f"CompressionState, which keeps its own")
         # Bad specs and options fail here, before training starts.
         self.state = spec if isinstance(spec, CompressionState) else CompressionState(spec, **options)
         self.trainer, self.missing_state, self.resume_from = trainer, missing_state, None
@@ -106,11 +111,10 @@ class GradcompTrainerCallback(TrainerCallback):
             self._load(self.resume_from)
 
     def on_save(self, args, state, control, **kwargs):
+        # Trainer's folder for this step. Made here too: under save_only_model the other ranks write nothing
+        # there, and nothing makes them wait for the rank that does.
         folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
-        if not os.path.isdir(folder):
-            raise FileNotFoundError(f"gradcomp.transformers: Trainer saved a checkpoint, but not in {folder}, where "
-                                    f"gradcomp's state goes beside it (a hyperparameter search's run folders are not "
-                                    f"supported)")
+        os.makedirs(folder, exist_ok=True)
         path = os.path.join(folder, STATE_FILE.format(rank=dist.get_rank()))
         torch.save(_to_cpu(self.state.state_dict()), path + ".tmp")
         os.replace(path + ".tmp", path)  # a file is there whole or not at all
@@ -123,8 +127,7 @@ class GradcompTrainerCallback(TrainerCallback):
 
     def _load(self, folder: str) -> None:
         rank, world = dist.get_rank(), dist.get_world_size()
-        saved = sorted(int(f[len("gradcomp_state_rank"):-3]) for f in os.listdir(folder)
-                       if f.startswith("gradcomp_state_rank") and f.endswith(".pt"))
+        saved = sorted(int(m.group(1)) for m in map(STATE_FILE_NAME.fullmatch, os.listdir(folder)) if m)
         if not saved:
             if self.missing_state == "fresh":
                 return

@@ -32,16 +32,17 @@ def _step(model, step: int, rank: int) -> None:
     nn.functional.cross_entropy(model(x), y).backward()
 
 
-def gradients(rank, world, spec):
-    """The full gradients after one backward, of plain FSDP2 and of FSDP2 with gradcomp's spec."""
-    out = {}
-    for name in ("plain", "gradcomp"):
+def gradients(rank, world, specs):
+    """The full gradients after one backward, of plain FSDP2 and of FSDP2 with each of gradcomp's specs, with the
+    stats: {"plain": [...], spec: {"grads": [...], "stats": ...}}."""
+    model = make_model()
+    _step(model, 0, rank)
+    out = {"plain": [p.grad.full_tensor() for p in model.parameters()]}
+    for spec in specs:
         model = make_model()
-        if name == "gradcomp":
-            state = gradcomp.fsdp.register(model, spec)
+        state = gradcomp.fsdp.register(model, spec)
         _step(model, 0, rank)
-        out[name] = [p.grad.full_tensor() for p in model.parameters()]
-    out["stats"] = state.stats()
+        out[spec] = {"grads": [p.grad.full_tensor() for p in model.parameters()], "stats": state.stats()}
     return out
 
 
@@ -104,33 +105,58 @@ def make_hsdp_model(mesh, native: bool) -> nn.Module:
     return model
 
 
-def hsdp(rank, world, spec, steps):
-    """2 replicas of 2 shards: the gradients of one backward under FSDP's own HSDP and under gradcomp (reduce-scatter
-    and exchange across replicas compressed), then `steps` SGD steps under gradcomp: this rank's shards."""
+def hsdp(rank, world, specs, steps):
+    """2 replicas of 2 shards: the gradients of one backward under FSDP's own HSDP, and per spec under gradcomp
+    (reduce-scatter and exchange across replicas compressed) then `steps` SGD steps: this rank's shards."""
     from torch.distributed.device_mesh import init_device_mesh
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    out = {}
-    for name in ("native", "gradcomp"):
-        model = make_hsdp_model(mesh, native=name == "native")
-        if name == "gradcomp":
-            state = gradcomp.fsdp.register(model, spec, replicate_group=mesh.get_group("replicate"))
+    model = make_hsdp_model(mesh, native=True)
+    _step(model, 0, rank)
+    out = {"native": [p.grad.to_local().clone() for p in model.parameters()]}
+    try:
+        gradcomp.fsdp.register(model, "topk", replicate_group=mesh.get_group("replicate"))
+        out["native_refused"] = "not refused"
+    except ValueError as error:
+        out["native_refused"] = str(error)
+    for spec in specs:
+        model = make_hsdp_model(mesh, native=False)
+        state = gradcomp.fsdp.register(model, spec, replicate_group=mesh.get_group("replicate"))
         _step(model, 0, rank)
-        out[name] = [p.grad.to_local().clone() for p in model.parameters()]
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    for step in range(1, steps + 1):
-        optimizer.step()
-        optimizer.zero_grad()
-        _step(model, step, rank)
-    out["shards"] = [p.to_local().clone() for p in model.parameters()]
-    out["stats"], out["memory"] = state.stats(), state.memory_bytes()
+        grads = [p.grad.to_local().clone() for p in model.parameters()]
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(1, steps + 1):
+            optimizer.step()
+            optimizer.zero_grad()
+            _step(model, step, rank)
+        out[spec] = {"grads": grads, "shards": [p.to_local().clone() for p in model.parameters()],
+                     "stats": state.stats(), "memory": state.memory_bytes()}
     return out
 
 
-def native_hsdp_with_replicate_group(rank, world):
+def hsdp_resume(rank, world, spec, shards, steps, stop_at=None, saved_by_rank=None):
+    """SGD steps under gradcomp's HSDP on world // shards replicas of `shards` ranks, saved at stop_at or resumed from
+    saved_by_rank[rank]: this rank's shards, steps counted and what it saved."""
     from torch.distributed.device_mesh import init_device_mesh
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    try:
-        gradcomp.fsdp.register(make_hsdp_model(mesh, native=True), "topk", replicate_group=mesh.get_group("replicate"))
-    except ValueError as error:
-        return str(error)
-    return "not refused"
+    mesh = init_device_mesh("cpu", (world // shards, shards), mesh_dim_names=("replicate", "shard"))
+    model = make_hsdp_model(mesh, native=False)
+    state = gradcomp.fsdp.register(model, spec, replicate_group=mesh.get_group("replicate"))
+    first = 0
+    if saved_by_rank is not None:
+        shards_saved, compression, first = torch.load(io.BytesIO(saved_by_rank[rank]), weights_only=True)
+        with torch.no_grad():
+            for p, local in zip(model.parameters(), shards_saved):
+                p.to_local().copy_(local)
+        state.load_state_dict(compression)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    out = {}
+    for step in range(first, steps):
+        _step(model, step, rank)
+        optimizer.step()
+        optimizer.zero_grad()
+        if step + 1 == stop_at:
+            buffer = io.BytesIO()
+            torch.save(([p.to_local().clone() for p in model.parameters()], state.state_dict(), step + 1), buffer)
+            out["saved"] = buffer.getvalue()
+    out["shards"] = [p.to_local().clone() for p in model.parameters()]
+    out["replica_steps"] = dict(state.replica_steps)
+    return out

@@ -54,6 +54,7 @@ def test_every_rank_state_on_another_world_size_or_codec_is_refused_with_what_to
     errors = unwrap(run_ranks(scenarios.load_every_rank, 3, ("topk", saved)))
     for error in errors:
         assert error and "world_size: saved 2, now 3" in error and "fresh CompressionState" in error
+        assert "elastic=True" in error  # the other way: spread the saved residuals over the new ranks
     errors = unwrap(run_ranks(scenarios.load_every_rank, 2, ("qsgd", saved)))
     for error in errors:
         assert error and "codec: saved 'topk" in error and "now 'qsgd" in error
