@@ -261,11 +261,12 @@ def train_one(corpus: dict, config: Config, spec: str, seed: int, world: int, ra
     torch.manual_seed(seed)
     model = Transformer(corpus["vocab_size"], config).to(device)
     if fsdp:
-        ddp, state = sharded(model, spec)  # the optimizer then takes the sharded parameters
+        ddp, state = sharded(model, spec)
+        optimizer = make_optimizer(model, config)  # on the sharded parameters
     else:
+        optimizer = make_optimizer(model, config)  # first: lm_variants.py's optimizers hand the hook what it needs
         ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
         state = register_codec(ddp, spec, scheme)
-    optimizer = make_optimizer(model, config)
     warmup = max(int(config.steps * config.warmup_fraction), 1)
     train_losses, diverged_at = [], None
     started = time.perf_counter()
