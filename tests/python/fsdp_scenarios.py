@@ -64,11 +64,9 @@ def error_feedback(rank, world, spec, steps, nan_at=None):
     return records
 
 
-def training(rank, world, spec, steps, stop_at=None, saved_by_rank=None):
-    """SGD steps under FSDP2 with gradcomp; from saved_by_rank[rank] (this rank's model shards and gradcomp state,
-    as a run with stop_at saved them) when given. Returns this rank's shards and what it saved at stop_at."""
-    model = make_model()
-    state = gradcomp.fsdp.register(model, spec)
+def _train_resumable(model, state, rank, steps, stop_at, saved_by_rank) -> dict:
+    """SGD steps of model under gradcomp's state, from saved_by_rank[rank] (this rank's model shards, gradcomp state
+    and step, as a run with stop_at saved them) when given: this rank's shards and what it saved at stop_at."""
     first = 0
     if saved_by_rank is not None:
         shards, compression, first = torch.load(io.BytesIO(saved_by_rank[rank]), weights_only=True)
@@ -87,6 +85,15 @@ def training(rank, world, spec, steps, stop_at=None, saved_by_rank=None):
             torch.save(([p.to_local().clone() for p in model.parameters()], state.state_dict(), step + 1), buffer)
             out["saved"] = buffer.getvalue()
     out["shards"] = [p.to_local().clone() for p in model.parameters()]
+    return out
+
+
+def training(rank, world, spec, steps, stop_at=None, saved_by_rank=None):
+    """SGD steps under FSDP2 with gradcomp; from saved_by_rank[rank] (this rank's model shards and gradcomp state,
+    as a run with stop_at saved them) when given. Returns this rank's shards and what it saved at stop_at."""
+    model = make_model()
+    state = gradcomp.fsdp.register(model, spec)
+    out = _train_resumable(model, state, rank, steps, stop_at, saved_by_rank)
     out["stats"] = state.stats()
     out["memory"] = state.memory_bytes()
     return out
@@ -140,23 +147,6 @@ def hsdp_resume(rank, world, spec, shards, steps, stop_at=None, saved_by_rank=No
     mesh = init_device_mesh("cpu", (world // shards, shards), mesh_dim_names=("replicate", "shard"))
     model = make_hsdp_model(mesh, native=False)
     state = gradcomp.fsdp.register(model, spec, replicate_group=mesh.get_group("replicate"))
-    first = 0
-    if saved_by_rank is not None:
-        shards_saved, compression, first = torch.load(io.BytesIO(saved_by_rank[rank]), weights_only=True)
-        with torch.no_grad():
-            for p, local in zip(model.parameters(), shards_saved):
-                p.to_local().copy_(local)
-        state.load_state_dict(compression)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    out = {}
-    for step in range(first, steps):
-        _step(model, step, rank)
-        optimizer.step()
-        optimizer.zero_grad()
-        if step + 1 == stop_at:
-            buffer = io.BytesIO()
-            torch.save(([p.to_local().clone() for p in model.parameters()], state.state_dict(), step + 1), buffer)
-            out["saved"] = buffer.getvalue()
-    out["shards"] = [p.to_local().clone() for p in model.parameters()]
+    out = _train_resumable(model, state, rank, steps, stop_at, saved_by_rank)
     out["replica_steps"] = dict(state.replica_steps)
     return out
