@@ -1,7 +1,8 @@
 """Every rank's compression state in one checkpoint, for frameworks that write rank 0's file only.
 
 Residuals belong to the rank that built them, but Lightning's ModelCheckpoint, Fabric's `save` and
-Accelerate's `save_state` write what rank 0 holds. `every_rank(state)` wraps a CompressionState so
+Accelerate's `save_state` write what rank 0 holds. `every_rank(state)` wraps a CompressionState (or
+gradcomp.fsdp's state, which loads on the world size that saved it only) so
 that its `state_dict()` (called on every rank at the same moment, as those frameworks do) gathers
 every rank's state into one object, and its `load_state_dict()` gives each rank its own entry:
 
@@ -42,15 +43,17 @@ def every_rank(state, directory: str | None = None) -> "EveryRankState":
 
 
 class EveryRankState:
-    """state_dict() / load_state_dict() of a CompressionState over all its ranks (see the module docstring)."""
+    """state_dict() / load_state_dict() of a CompressionState (or gradcomp.fsdp's state) over all its ranks (see
+    the module docstring)."""
 
     __slots__ = ("state", "directory")
 
     def __init__(self, state, directory: str | None = None):
-        from .state import CompressionState  # the state imports this module's loader
-        if not isinstance(state, CompressionState):
-            raise TypeError(f"gradcomp.every_rank takes a CompressionState (what gradcomp.register returns), got "
-                            f"{type(state).__name__}")
+        from .fsdp import FSDPCompression  # both import this module's loader
+        from .state import CompressionState
+        if not isinstance(state, (CompressionState, FSDPCompression)):
+            raise TypeError(f"gradcomp.every_rank takes a CompressionState or an FSDPCompression (what "
+                            f"gradcomp.register or gradcomp.fsdp.register returns), got {type(state).__name__}")
         self.state, self.directory = state, directory
 
     def state_dict(self) -> dict[str, Any]:

@@ -24,6 +24,9 @@ What it costs and keeps:
   across replicas (in FSDP's reduce dtype); register's replicate_group compresses that exchange too (below).
   Under gradient accumulation that exchange runs at every micro-step (FSDP's set_requires_all_reduce governs
   its own HSDP only).
+- Checkpoints: state_dict() is this rank's; gradcomp.every_rank(state) (or dcp_stateful) holds every rank's, for
+  a checkpoint one rank writes. They load on the world size that saved them only (a row is a rank's shard).
+- At the first exchange the ranks compare their configuration and steps (one gather): a mismatch raises on all.
 - PowerSGD needs each parameter's matrix shape, which the flat buffer does not give: it is refused.
 Needs FSDP2's FSDPModule.set_custom_reduce_scatter and set_force_sum_reduction_for_comms (public methods whose
 protocol lives in a private module): register looks for them and names what is missing. Tested with torch 2.13.
@@ -32,13 +35,14 @@ protocol lives in a private module): register looks for them and names what is m
 from __future__ import annotations
 
 import functools
+import json
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from . import _ops
-from .checkpoint import STATE_FORMAT, _to_cpu
+from .checkpoint import STATE_FORMAT, _to_cpu, every_rank_world_size, is_every_rank, this_ranks_entry
 from .codecs import chunk_bounds, codec as make_codec
 from .schemes.two_phase import OWNER_FAILED
 from .powersgd import PowerSGD
@@ -80,6 +84,7 @@ def register(model: torch.nn.Module, spec: str = "topk", *, replicate_group: dis
             raise ValueError(f"gradcomp.fsdp: module {index} ({type(module).__name__}) has {len(groups)} parameter "
                              f"groups (per-parameter meshes, shard_placement_fn); gradcomp's reduce-scatter takes one "
                              f"flat buffer per module: shard it without per-parameter meshes")
+        _check_gradient_dtypes(index, module, groups)
         if replicate_group is not None and any(getattr(group, "_is_hsdp", False) for group in groups):
             raise ValueError(f"gradcomp.fsdp: module {index} is sharded on a 2-D mesh (FSDP's own HSDP, whose "
                              f"all-reduce across replicas runs before any hook): for a compressed one, fully_shard "
@@ -117,6 +122,7 @@ class FSDPCompression:
                       "replica_raw_bytes": 0}
         self._checks: list = []  # CUDA: (pinned status, event, module, step, what) not read yet
         self.world_size: int | None = None  # all the ranks (the shard group's size times the replicas')
+        self._verified = False  # the ranks compared their configuration (at the first exchange)
 
     # -- one module's reduce-scatter --------------------------------------------------------------------------------
 
@@ -130,6 +136,7 @@ class FSDPCompression:
                              f"{', '.join(map(str, _ops.DTYPE_IDS))}")
         everyone, me = dist.get_world_size(), dist.get_rank()
         self.world_size = everyone
+        self._verify()
         residual = self._residual(index, flat)
         step = self.steps.get(index, 0)
         # Each (sender, row) pair its own random stream, also across replicas: sender g's row j is g * W + j.
@@ -164,6 +171,7 @@ class FSDPCompression:
         step = self.replica_steps.get(index, 0)  # its own count: with one rank per replica no reduce-scatter runs
         everyone, global_rank = dist.get_world_size(), dist.get_rank()
         self.world_size = everyone
+        self._verify()
         # Random streams apart from the reduce-scatter's (which end below everyone * shards <= everyone ** 2).
         keys = everyone * everyone
         residual = self._kept(self.replica_residuals, index, flat.numel(), flat, "residual of the shard")
@@ -209,6 +217,21 @@ class FSDPCompression:
                 torch.where(finite, kept, was, out=kept)
         self.total["replica_wire_bytes"] += sum(sizes) - sizes[me] + (replicas - 1) * width
         self.total["replica_raw_bytes"] += 2 * (replicas - 1) * flat.numel() * flat.element_size() // replicas
+
+    def _verify(self) -> None:
+        """At the first exchange, every rank compares its configuration and steps (one object gathered once): a rank
+        registered with another codec, or resumed from another step, raises on every rank instead of hanging or
+        decoding another codec's payloads."""
+        if self._verified:
+            return
+        mine = json.dumps({**self.config(), "steps": self.steps, "replica_steps": self.replica_steps}, sort_keys=True)
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        if len(set(everyone)) > 1:
+            listing = "\n".join(f"  rank {rank}: {config}" for rank, config in enumerate(everyone))
+            raise RuntimeError(f"gradcomp.fsdp: the ranks are configured differently; every rank must register the "
+                               f"same codec on the same model and resume from the same step:\n{listing}")
+        self._verified = True
 
     # On CUDA the payloads are checked on the device, into a status word read back a step later from pinned
     # memory (no host-device sync in the step; a malformed payload sets the output to NaN meanwhile).
@@ -296,6 +319,14 @@ class FSDPCompression:
         return {"codec": self.spec, "modules": self.modules, "world_size": self.world_size,
                 "wire_format": _ops._C.format_version}
 
+    @property
+    def iter(self) -> int:
+        """Steps done (the exchanges of the module that did most): names every_rank(state, directory)'s files."""
+        return max([*self.steps.values(), *self.replica_steps.values()], default=0)
+
+    def _group(self):
+        return dist.group.WORLD  # every rank's residuals: the shard group's and, under HSDP, the replicas'
+
     def state_dict(self) -> dict[str, Any]:
         rank = dist.get_rank() if dist.is_initialized() else None
         return {"format": STATE_FORMAT, "kind": "fsdp", "config": self.config(), "rank": rank,
@@ -305,6 +336,15 @@ class FSDPCompression:
                 "total": dict(self.total)}
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
+        """What state_dict() saved on this rank, or this rank's entry of what gradcomp.every_rank(state) saved."""
+        if is_every_rank(saved):
+            world = dist.get_world_size() if dist.is_initialized() else None
+            if every_rank_world_size(saved) != world:
+                raise ValueError(f"gradcomp.fsdp: this every-rank state was saved by {saved['world_size']} ranks, and "
+                                 f"this world has {world}: each residual row is a rank's shard of a module's "
+                                 f"gradient, laid out anew on another world size (elastic resume is the DDP hook's "
+                                 f"only); resume on {saved['world_size']} ranks, or start from a fresh state")
+            saved = this_ranks_entry(saved, dist.get_rank())
         if not isinstance(saved, dict) or saved.get("format") != STATE_FORMAT or saved.get("kind") != "fsdp":
             found = (f"a dict of format {saved.get('format')!r}, kind {saved.get('kind')!r}" if isinstance(saved, dict)
                      else type(saved).__name__)
@@ -330,8 +370,28 @@ class FSDPCompression:
         self.replica_residuals = {int(k): v.clone() for k, v in saved.get("replica_residuals", {}).items()}
         self.owner_residuals = {int(k): v.clone() for k, v in saved.get("owner_residuals", {}).items()}
         self._spares = {}
+        self._verified = False
         self.total = {**self.total, **saved["total"]}
         self.world_size = saved["config"].get("world_size")
+
+
+def _check_gradient_dtypes(index: int, module, groups) -> None:
+    """FSDP reduces one flat buffer per module in one dtype: refuses, before any step, gradients of several dtypes
+    in one module (FSDP's own assertion would name no remedy) and a reduce dtype gradcomp's codecs do not take."""
+    for group in groups:
+        dtypes = {p.dtype for p in (fsdp_param.sharded_param for fsdp_param in group.fsdp_params) if p.requires_grad}
+        if len(dtypes) > 1:
+            listing = ", ".join(sorted(map(str, dtypes)))
+            raise ValueError(f"gradcomp.fsdp: module {index} ({type(module).__name__}) has gradients of several dtypes "
+                             f"({listing}), and FSDP reduces each module's gradients as one flat buffer: give its "
+                             f"parameters one dtype, or fully_shard the differing parameters' modules on their own")
+        policy = group.mp_policy
+        for dtype in dtypes:  # FSDP computes gradients in param_dtype and reduces them in reduce_dtype, where set
+            reduce_dtype = policy.reduce_dtype or (policy.param_dtype if dtype.is_floating_point else None) or dtype
+            if reduce_dtype not in _ops.DTYPE_IDS:
+                raise ValueError(f"gradcomp.fsdp: module {index} ({type(module).__name__}) reduces its gradients in "
+                                 f"{reduce_dtype}; gradcomp's codecs take {', '.join(map(str, _ops.DTYPE_IDS))} "
+                                 f"(MixedPrecisionPolicy(reduce_dtype=torch.float32) is one way)")
 
 
 def _stream(first: int, count: int) -> int:

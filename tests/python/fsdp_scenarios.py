@@ -64,16 +64,18 @@ def error_feedback(rank, world, spec, steps, nan_at=None):
     return records
 
 
-def _train_resumable(model, state, rank, steps, stop_at, saved_by_rank) -> dict:
+def _train_resumable(model, state, rank, steps, stop_at, saved_by_rank, every_rank=False) -> dict:
     """SGD steps of model under gradcomp's state, from saved_by_rank[rank] (this rank's model shards, gradcomp state
-    and step, as a run with stop_at saved them) when given: this rank's shards and what it saved at stop_at."""
+    and step, as a run with stop_at saved them) when given: this rank's shards and what it saved at stop_at.
+    every_rank: gradcomp's state saved and loaded through gradcomp.every_rank (every rank's in each file)."""
+    saving = gradcomp.every_rank(state) if every_rank else state
     first = 0
     if saved_by_rank is not None:
         shards, compression, first = torch.load(io.BytesIO(saved_by_rank[rank]), weights_only=True)
         with torch.no_grad():
             for p, local in zip(model.parameters(), shards):
                 p.to_local().copy_(local)
-        state.load_state_dict(compression)
+        saving.load_state_dict(compression)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     out = {}
     for step in range(first, steps):
@@ -82,18 +84,18 @@ def _train_resumable(model, state, rank, steps, stop_at, saved_by_rank) -> dict:
         optimizer.zero_grad()
         if step + 1 == stop_at:
             buffer = io.BytesIO()
-            torch.save(([p.to_local().clone() for p in model.parameters()], state.state_dict(), step + 1), buffer)
+            torch.save(([p.to_local().clone() for p in model.parameters()], saving.state_dict(), step + 1), buffer)
             out["saved"] = buffer.getvalue()
     out["shards"] = [p.to_local().clone() for p in model.parameters()]
     return out
 
 
-def training(rank, world, spec, steps, stop_at=None, saved_by_rank=None):
+def training(rank, world, spec, steps, stop_at=None, saved_by_rank=None, every_rank=False):
     """SGD steps under FSDP2 with gradcomp; from saved_by_rank[rank] (this rank's model shards and gradcomp state,
     as a run with stop_at saved them) when given. Returns this rank's shards and what it saved at stop_at."""
     model = make_model()
     state = gradcomp.fsdp.register(model, spec)
-    out = _train_resumable(model, state, rank, steps, stop_at, saved_by_rank)
+    out = _train_resumable(model, state, rank, steps, stop_at, saved_by_rank, every_rank)
     out["stats"] = state.stats()
     out["memory"] = state.memory_bytes()
     return out
@@ -149,4 +151,34 @@ def hsdp_resume(rank, world, spec, shards, steps, stop_at=None, saved_by_rank=No
     state = gradcomp.fsdp.register(model, spec, replicate_group=mesh.get_group("replicate"))
     out = _train_resumable(model, state, rank, steps, stop_at, saved_by_rank)
     out["replica_steps"] = dict(state.replica_steps)
+    return out
+
+
+def refusals(rank, world):
+    """What register and the first exchange refuse on live ranks: {case: the message} (or "not refused")."""
+    def refused(case):
+        try:
+            case()
+            return "not refused"
+        except (ValueError, RuntimeError) as error:
+            return str(error)
+
+    def one_module(*layers):
+        model = nn.Sequential(*layers)
+        fully_shard(model)
+        return model
+
+    out = {}
+    out["float64"] = refused(lambda: gradcomp.fsdp.register(one_module(nn.Linear(4, 6).double()), "topk"))
+    mixed = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2).half())
+    out["mixed"] = refused(lambda: gradcomp.fsdp.register(one_module(*mixed), "topk"))
+    # An every-rank state saved by another world size: its rows are other shards.
+    state = gradcomp.fsdp.FSDPCompression("topk")
+    entries = [state.state_dict() for _ in range(world + 1)]
+    out["other_world"] = refused(lambda: gradcomp.every_rank(state).load_state_dict(
+        {"format": 1, "gradcomp_every_rank": True, "world_size": world + 1, "ranks": entries}))
+    # Rank 0 registers another codec: the first reduce-scatter raises on every rank, naming each rank's.
+    model = make_model()
+    gradcomp.fsdp.register(model, "signsgd" if rank == 0 else "topk")
+    out["other_codec"] = refused(lambda: _step(model, 0, rank))
     return out

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+
 import pytest
 import torch
 
@@ -73,7 +75,6 @@ def test_resume_repeats_the_uninterrupted_run_bit_for_bit():
         for x, y in zip(a["shards"], b["shards"], strict=True):
             assert torch.equal(x, y)
         assert a["memory"] == b["memory"] > 0  # two residuals of each module's unsharded gradient
-    import io
     stripped = []
     for blob in saved:
         shards, compression, step = torch.load(io.BytesIO(blob), weights_only=True)
@@ -83,6 +84,24 @@ def test_resume_repeats_the_uninterrupted_run_bit_for_bit():
         stripped.append(buffer.getvalue())
     fresh = unwrap(run_ranks(scenarios.training, 2, (spec, 6, None, stripped)))
     assert any(not torch.equal(x, y) for x, y in zip(straight[0]["shards"], fresh[0]["shards"]))
+
+
+def test_every_rank_checkpoints_resume_bit_for_bit_from_any_ranks_file():
+    """gradcomp.every_rank(state): each rank's file holds every rank's state, so rank 0's file alone resumes both."""
+    spec = "signsgd"
+    straight = unwrap(run_ranks(scenarios.training, 2, (spec, 5, 2, None, True)))
+    shards = [torch.load(io.BytesIO(r["saved"]), weights_only=True)[0] for r in straight]
+    _, everyone, step = torch.load(io.BytesIO(straight[0]["saved"]), weights_only=True)
+    assert everyone["world_size"] == 2 and [entry["rank"] for entry in everyone["ranks"]] == [0, 1]
+    from_rank_0 = []
+    for mine in shards:
+        buffer = io.BytesIO()
+        torch.save((mine, everyone, step), buffer)
+        from_rank_0.append(buffer.getvalue())
+    resumed = unwrap(run_ranks(scenarios.training, 2, (spec, 5, None, from_rank_0, True)))
+    for a, b in zip(straight, resumed):
+        for x, y in zip(a["shards"], b["shards"], strict=True):
+            assert torch.equal(x, y)
 
 
 def test_refusals_name_what_is_wrong_and_what_to_do(monkeypatch):
@@ -101,6 +120,18 @@ def test_refusals_name_what_is_wrong_and_what_to_do(monkeypatch):
     saved = gradcomp.fsdp.FSDPCompression("topk").state_dict()
     with pytest.raises(ValueError, match="codec: saved 'topk:error_feedback=True,ratio=0.01', now 'signsgd"):
         gradcomp.fsdp.FSDPCompression("signsgd").load_state_dict(saved)
+
+
+def test_refusals_on_live_ranks():
+    """register refuses gradients of several dtypes in one module and a reduce dtype the codecs do not take; an
+    every-rank state of another world size is refused; ranks registered with different codecs raise on every rank
+    at the first reduce-scatter, each rank's configuration listed."""
+    for result in unwrap(run_ranks(scenarios.refusals, 2)):
+        assert "has gradients of several dtypes (torch.float16, torch.float32)" in result["mixed"], result["mixed"]
+        assert "reduces its gradients in torch.float64; gradcomp's codecs take" in result["float64"], result["float64"]
+        assert "saved by 3 ranks, and this world has 2" in result["other_world"], result["other_world"]
+        assert "the ranks are configured differently" in result["other_codec"], result["other_codec"]
+        assert "rank 0: " in result["other_codec"] and "signsgd" in result["other_codec"]
 
 
 def test_hsdp_with_2_replicas_of_2_shards():
