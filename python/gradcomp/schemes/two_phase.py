@@ -113,6 +113,7 @@ class TwoPhaseBucket(ResidualPlan):
         rows = torch.empty((world, self.width), dtype=torch.uint8, device=flat.device)
         owner_work = self._owner_spare = copy_into_spare(self.owner_residual, self._owner_spare)
         result = step.new_future(flat.device)
+        reencode_failed = []  # the owner's error, raised once its notice has gone out in the all-gather
 
         def reencode(exchanged):
             started = time.perf_counter()
@@ -122,15 +123,19 @@ class TwoPhaseBucket(ResidualPlan):
             try:
                 again = codec.reencode_sum(mine, average, owner_work, 1.0 / world, step=step.step, bucket=self.index,
                                            rank=owner_stream(rank, world), status=step.decode_status)
-            except Exception as error:
+            except Exception as error:  # raised in decode: raised here, this rank could end its step (and exit)
+                # before the all-gather has carried the notice to the ranks that wait in it
                 notice = (OWNER_FAILED + str(error).encode(errors="replace"))[: self.width]
                 row[: len(notice)].copy_(torch.frombuffer(bytearray(notice), dtype=torch.uint8))
-                raise
+                reencode_failed.append(error)
+                return
             row[: again.numel()].copy_(again)
             step.add("decode_s", time.perf_counter() - started)
 
         def decode(gathered):
             started = time.perf_counter()
+            if reencode_failed:
+                raise reencode_failed[0]
             gathered.value()
             if result.done():  # this rank failed earlier in the step
                 return

@@ -65,7 +65,9 @@ def main() -> None:
             print(f"register refused: {refused}", flush=True)
         ddp.register_comm_hook(gradcomp.CompressionState(SPEC), gradcomp.hook)
         try:
-            F.cross_entropy(torch.compile(ddp)(torch.randn(4, 32)), torch.zeros(4, dtype=torch.long)).backward()
+            # aot_eager: the refusal comes before any kernel is generated (inductor would only add its compile time)
+            forward = torch.compile(ddp, backend="aot_eager")
+            F.cross_entropy(forward(torch.randn(4, 32)), torch.zeros(4, dtype=torch.long)).backward()
         except TypeError as refused:
             print(f"hook refused: {refused}", flush=True)
     end_process_group()

@@ -3,12 +3,14 @@ from a config, on random tokens, with gradcomp.transformers.register.
 
     trainer_job.py OUT_DIR first CODEC...      # STEPS straight; the same run stopped after STEPS // 2
     trainer_job.py OUT_DIR resume CODEC...     # the stopped run's last checkpoint, resumed to STEPS
-    trainer_job.py OUT_DIR mismatch CODEC      # resumes it (resume_from_checkpoint=True) under another codec: fails
-    trainer_job.py OUT_DIR missing CODEC       # resumes it without gradcomp's files (must fail) ...
-    trainer_job.py OUT_DIR fresh CODEC         # ... unless missing_state="fresh"
-    trainer_job.py OUT_DIR other_world CODEC   # (on 3 ranks) resumes it on another number of ranks: fails ...
-    trainer_job.py OUT_DIR elastic CODEC       # ... unless elastic=True
+    trainer_job.py OUT_DIR refusals CODEC      # resumes it (resume_from_checkpoint=True) under another codec:
+                                               # refused; then, its gradcomp files deleted, refused again unless
+                                               # missing_state="fresh"
+    trainer_job.py OUT_DIR elsewhere CODEC     # (on 3 ranks) resumes it on another number of ranks: refused,
+                                               # unless elastic=True
     trainer_job.py OUT_DIR single CODEC        # one process: register's refusal
+
+Each refusal is printed as "refused: MESSAGE" (every rank raises it), and the job goes on with the next case.
 
 Checkpoints every SAVE_EVERY steps with save_total_limit=2, so that Trainer rotates folders away under
 gradcomp's files. The main process writes the final weights to OUT_DIR/CODEC-{straight,half,resumed}.pt.
@@ -80,6 +82,15 @@ def run(out_dir: str, codec: str, name: str, spec: str | None = None, stop_at: i
         print(f"{codec}-{name}: {callback.state.stats()['total']['ratio']:.1f}x", flush=True)
 
 
+def refused(case) -> None:
+    try:
+        case()
+    except (ValueError, RuntimeError, FileNotFoundError) as error:
+        print(f"refused: {error}", flush=True)
+    else:
+        print("not refused", flush=True)
+
+
 def main() -> None:
     out_dir, phase, codecs = sys.argv[1], sys.argv[2], sys.argv[3:]
     for codec in codecs:
@@ -89,12 +100,19 @@ def main() -> None:
             run(out_dir, codec, "half", stop_at=STEPS // 2)
         elif phase == "resume":
             run(out_dir, codec, "resumed", resume=stopped)
-        elif phase == "mismatch":
-            run(out_dir, codec, "mismatch", spec=OTHER[codec], resume=True)
-        elif phase in ("other_world", "elastic"):  # on another number of ranks: refused, unless elastic
-            run(out_dir, codec, phase, resume=stopped, **({"elastic": True} if phase == "elastic" else {}))
-        elif phase in ("missing", "fresh"):
-            run(out_dir, codec, phase, resume=stopped, **({"missing_state": "fresh"} if phase == "fresh" else {}))
+        elif phase == "refusals":
+            refused(lambda: run(out_dir, codec, "mismatch", spec=OTHER[codec], resume=True))
+            torch.distributed.barrier()
+            if torch.distributed.get_rank() == 0:
+                for name in os.listdir(stopped):
+                    if name.startswith("gradcomp_state_rank"):
+                        os.remove(os.path.join(stopped, name))
+            torch.distributed.barrier()
+            refused(lambda: run(out_dir, codec, "missing", resume=stopped))
+            run(out_dir, codec, "fresh", resume=stopped, missing_state="fresh")
+        elif phase == "elsewhere":  # on another number of ranks: refused, unless elastic
+            refused(lambda: run(out_dir, codec, "other_world", resume=stopped))
+            run(out_dir, codec, "elastic", resume=stopped, elastic=True)
         elif phase == "single":
             run(out_dir, codec, "single")
     end_process_group()
