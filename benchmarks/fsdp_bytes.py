@@ -62,7 +62,7 @@ def measure(rank: int, kind: str, spec: str | None, args) -> dict:
     fully_shard(model, reshard_after_forward=False)
     state = None
     if kind == "gradcomp":
-        state = gradcomp.fsdp.register(model, spec)
+        state = gradcomp.fsdp.register(model, spec, start_iter=0)  # the codec's bytes from the first step
     elif kind == "no reduce-scatter":
         for module in model.modules():
             if isinstance(module, FSDPModule):

@@ -83,7 +83,8 @@ class EveryRankState:
 
 def dcp_stateful(state, directory: str | None = None) -> "DcpState":
     """every_rank(state) as torch.distributed.checkpoint's Stateful: dcp.save({"gradcomp": gradcomp.dcp_stateful(state)},
-    ...) and dcp.load the same, on every rank (also on another world size, with elastic=True)."""
+    ...) and dcp.load the same, on every rank (a CompressionState's also on another world size, with elastic=True;
+    gradcomp.fsdp's state loads on the world size that saved it)."""
     return DcpState(state, directory)
 
 

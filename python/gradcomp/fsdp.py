@@ -13,6 +13,9 @@ the W payloads it receives into its shard in one pass (decode_sum). FSDP divides
 (set_force_sum_reduction_for_comms). Every op runs on the current stream (FSDP's reduce-scatter stream), with no
 host-device sync.
 
+The first start_iter steps (2 by default, as the DDP hook's) go plain: FSDP's own reduce-scatter, which AdamW's
+first steps need (register's docstring).
+
 What it costs and keeps:
 - the residual is per module, the size of its unsharded gradient (W rows of S) in the reduce dtype, and a spare
   of the same size (a step's residual is written there, then kept only for the rows that stayed finite):
@@ -45,6 +48,7 @@ from . import _ops
 from .checkpoint import STATE_FORMAT, _to_cpu, every_rank_world_size, is_every_rank, this_ranks_entry
 from .codecs import chunk_bounds, codec as make_codec
 from .schemes.two_phase import OWNER_FAILED
+from .step import collective_failure
 from .powersgd import PowerSGD
 
 try:
@@ -57,9 +61,12 @@ SEAM = ("set_custom_reduce_scatter", "set_force_sum_reduction_for_comms")
 
 
 def register(model: torch.nn.Module, spec: str = "topk", *, replicate_group: dist.ProcessGroup | None = None,
-             **codec_params: Any) -> "FSDPCompression":
+             start_iter: int = 2, **codec_params: Any) -> "FSDPCompression":
     """Installs gradcomp's reduce-scatter on every FSDP module of model (what fully_shard returned); returns the
     state (stats, memory_bytes, state_dict / load_state_dict). spec, codec_params: as gradcomp.codec takes them.
+
+    start_iter: steps of each module's plain reduce-scatter (and exchange across replicas) first, as the DDP
+    hook's start_iter: under AdamW much of what a codec costs arises in the first steps.
 
     replicate_group: HSDP with a compressed all-reduce across replicas. Shard the model with fully_shard on the
     1-D shard mesh (mesh["shard"] of init_device_mesh(device, (replicas, shards), mesh_dim_names=("replicate",
@@ -74,7 +81,7 @@ def register(model: torch.nn.Module, spec: str = "topk", *, replicate_group: dis
         raise TypeError(f"gradcomp.fsdp.register takes a model sharded by fully_shard, and {type(model).__name__} "
                         f"holds no FSDP module: call torch.distributed.fsdp.fully_shard on its blocks and on the "
                         f"model first (for DistributedDataParallel, use gradcomp.register)")
-    state = FSDPCompression(spec, **codec_params)
+    state = FSDPCompression(spec, start_iter=start_iter, **codec_params)
     for index, module in enumerate(modules):  # every module checked before any is changed
         if getattr(module, "_gradcomp_fsdp", None) is not None:
             raise RuntimeError(f"gradcomp.fsdp: module {index} ({type(module).__name__}) has gradcomp's "
@@ -96,13 +103,17 @@ def register(model: torch.nn.Module, spec: str = "topk", *, replicate_group: dis
             module.set_all_reduce_hook(functools.partial(state.replica_all_reduce, index, replicate_group))
         module._gradcomp_fsdp = state
     state.modules = len(modules)
+    state.replicas = 1 if replicate_group is None else dist.get_world_size(replicate_group)
     return state
 
 
 class FSDPCompression:
     """The codec and, per FSDP module, its residual and steps; the bytes each rank sent."""
 
-    def __init__(self, spec: str = "topk", **codec_params: Any):
+    def __init__(self, spec: str = "topk", *, start_iter: int = 2, **codec_params: Any):
+        if isinstance(start_iter, bool) or not isinstance(start_iter, int) or start_iter < 0:
+            raise ValueError(f"gradcomp.fsdp: start_iter={start_iter!r} must be an integer >= 0")
+        self.start_iter = start_iter
         self.codec = make_codec(spec, **codec_params)
         if isinstance(self.codec, PowerSGD):
             raise ValueError("gradcomp.fsdp: powersgd compresses each parameter as a matrix, and FSDP's reduce-scatter "
@@ -122,7 +133,8 @@ class FSDPCompression:
                       "replica_raw_bytes": 0}
         self._checks: list = []  # CUDA: (pinned status, event, module, step, what) not read yet
         self.world_size: int | None = None  # all the ranks (the shard group's size times the replicas')
-        self._verified = False  # the ranks compared their configuration (at the first exchange)
+        self.replicas = 1  # HSDP: the replicas replicate_group spans (register sets it)
+        self._verified: list = []  # the groups whose ranks compared their configuration (at their first exchange)
 
     # -- one module's reduce-scatter --------------------------------------------------------------------------------
 
@@ -136,9 +148,16 @@ class FSDPCompression:
                              f"{', '.join(map(str, _ops.DTYPE_IDS))}")
         everyone, me = dist.get_world_size(), dist.get_rank()
         self.world_size = everyone
-        self._verify()
-        residual = self._residual(index, flat)
+        self._verify(group, index)
         step = self.steps.get(index, 0)
+        if step < self.start_iter:
+            self._plain(self.residuals, index, flat)
+            dist.reduce_scatter_tensor(output, flat, group=group)
+            self.steps[index] = step + 1
+            sent = (world - 1) * output.numel() * output.element_size()  # a ring reduce-scatter's
+            self._count(wire_bytes=sent, raw_bytes=sent, reduce_scatters=1)
+            return
+        residual = self._residual(index, flat)
         # Each (sender, row) pair its own random stream, also across replicas: sender g's row j is g * W + j.
         payloads = self.codec.encode_chunks(flat, residual, world, step=step, bucket=index,
                                             first_rank=_stream(me * world, world))
@@ -155,9 +174,20 @@ class FSDPCompression:
         self.codec.decode_sum(received.view(world, size), output, 1.0, status=status)
         self._defer(status, index, step, "reduce-scatter")
         self.steps[index] = step + 1
-        self.total["wire_bytes"] += (world - 1) * size
-        self.total["raw_bytes"] += (world - 1) * output.numel() * output.element_size()  # a ring reduce-scatter's
-        self.total["reduce_scatters"] += 1
+        self._count(wire_bytes=(world - 1) * size, raw_bytes=(world - 1) * output.numel() * output.element_size(),
+                    reduce_scatters=1)
+
+    def _plain(self, store: dict, index: int, flat: torch.Tensor) -> None:
+        """Before start_iter: what a residual holds (a state resumed from compressed steps) goes with the plain
+        gradient, and the residual is cleared, so nothing is lost."""
+        residual = store.get(index)
+        if residual is not None:
+            flat.add_(residual.to(flat.device).view_as(flat))
+            store[index] = torch.zeros_like(residual)
+
+    def _count(self, **amounts: int) -> None:
+        for key, amount in amounts.items():
+            self.total[key] += amount
 
     def replica_all_reduce(self, index: int, group, shard: torch.Tensor) -> None:
         """HSDP: shard (this rank's reduce-scatter output) becomes its average over the replicas in group, by the
@@ -171,7 +201,15 @@ class FSDPCompression:
         step = self.replica_steps.get(index, 0)  # its own count: with one rank per replica no reduce-scatter runs
         everyone, global_rank = dist.get_world_size(), dist.get_rank()
         self.world_size = everyone
-        self._verify()
+        self._verify(group, index)
+        if step < self.start_iter:
+            self._plain(self.replica_residuals, index, flat)  # the owner's residual is empty before any exchange
+            dist.all_reduce(flat, group=group)
+            flat.div_(replicas)
+            self.replica_steps[index] = step + 1
+            sent = 2 * (replicas - 1) * flat.numel() * flat.element_size() // replicas  # a ring all-reduce's
+            self._count(replica_wire_bytes=sent, replica_raw_bytes=sent)
+            return
         # Random streams apart from the reduce-scatter's (which end below everyone * shards <= everyone ** 2).
         keys = everyone * everyone
         residual = self._kept(self.replica_residuals, index, flat.numel(), flat, "residual of the shard")
@@ -218,20 +256,27 @@ class FSDPCompression:
         self.total["replica_wire_bytes"] += sum(sizes) - sizes[me] + (replicas - 1) * width
         self.total["replica_raw_bytes"] += 2 * (replicas - 1) * flat.numel() * flat.element_size() // replicas
 
-    def _verify(self) -> None:
-        """At the first exchange, every rank compares its configuration and steps (one object gathered once): a rank
-        registered with another codec, or resumed from another step, raises on every rank instead of hanging or
-        decoding another codec's payloads."""
-        if self._verified:
+    def _verify(self, group, index: int) -> None:
+        """At the first exchange in group (the shard group's reduce-scatter, the replicas' exchange), its ranks
+        compare their configuration and steps (one object gathered once per group): a rank registered with another
+        codec, without replicate_group, or resumed from another step, raises on every rank of the group instead of
+        hanging or decoding another codec's payloads."""
+        if any(done is group for done in self._verified):
             return
-        mine = json.dumps({**self.config(), "steps": self.steps, "replica_steps": self.replica_steps}, sort_keys=True)
-        everyone: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)
+        mine = json.dumps({**self.config(), "replicas": self.replicas, "steps": self.steps,
+                           "replica_steps": self.replica_steps}, sort_keys=True)
+        everyone: list[Any] = [None] * dist.get_world_size(group)
+        try:
+            dist.all_gather_object(everyone, mine, group=group)
+        except Exception as error:
+            raise collective_failure("comparison of the ranks' configuration", self.steps.get(index, 0),
+                                     dist.get_rank(), len(everyone), error) from error
         if len(set(everyone)) > 1:
             listing = "\n".join(f"  rank {rank}: {config}" for rank, config in enumerate(everyone))
             raise RuntimeError(f"gradcomp.fsdp: the ranks are configured differently; every rank must register the "
-                               f"same codec on the same model and resume from the same step:\n{listing}")
-        self._verified = True
+                               f"same codec on the same model and resume from the same step (ranks of the group "
+                               f"in its order):\n{listing}")
+        self._verified.append(group)
 
     # On CUDA the payloads are checked on the device, into a status word read back a step later from pinned
     # memory (no host-device sync in the step; a malformed payload sets the output to NaN meanwhile).
@@ -316,8 +361,8 @@ class FSDPCompression:
         return sum(t.numel() * t.element_size() for t in kept)
 
     def config(self) -> dict[str, Any]:
-        return {"codec": self.spec, "modules": self.modules, "world_size": self.world_size,
-                "wire_format": _ops._C.format_version}
+        return {"codec": self.spec, "start_iter": self.start_iter, "modules": self.modules,
+                "world_size": self.world_size, "wire_format": _ops._C.format_version}
 
     @property
     def iter(self) -> int:
@@ -338,7 +383,10 @@ class FSDPCompression:
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         """What state_dict() saved on this rank, or this rank's entry of what gradcomp.every_rank(state) saved."""
         if is_every_rank(saved):
-            world = dist.get_world_size() if dist.is_initialized() else None
+            if not dist.is_initialized():
+                raise RuntimeError("gradcomp.fsdp: an every-rank state is loaded by each rank taking its own entry: "
+                                   "load it after torch.distributed.init_process_group")
+            world = dist.get_world_size()
             if every_rank_world_size(saved) != world:
                 raise ValueError(f"gradcomp.fsdp: this every-rank state was saved by {saved['world_size']} ranks, and "
                                  f"this world has {world}: each residual row is a rank's shard of a module's "
@@ -370,7 +418,7 @@ class FSDPCompression:
         self.replica_residuals = {int(k): v.clone() for k, v in saved.get("replica_residuals", {}).items()}
         self.owner_residuals = {int(k): v.clone() for k, v in saved.get("owner_residuals", {}).items()}
         self._spares = {}
-        self._verified = False
+        self._verified = []
         self.total = {**self.total, **saved["total"]}
         self.world_size = saved["config"].get("world_size")
 

@@ -9,8 +9,10 @@ TimeoutError is raised: a hang is a test failure, never a stuck test run.
 
 The ranks are forked from a server process that has imported torch and gradcomp once (multiprocessing's
 forkserver): importing torch costs a process about 2.5 s of CPU, and the suite starts hundreds of ranks.
-Each rank still starts fresh (nothing of the test process is inherited) and takes the test's environment.
-Where CUDA is available the ranks are spawned instead (a process that has touched CUDA must not fork).
+Nothing of the test process is inherited: a rank holds what the server imported (with the environment of the
+first run_ranks) and takes the test's environment before the scenario runs; a module that reads the environment
+at import would see the server's, so pass such values as arguments. Where CUDA is available the ranks are
+spawned instead (a process that has touched CUDA must not fork).
 """
 
 from __future__ import annotations

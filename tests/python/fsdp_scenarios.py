@@ -40,16 +40,23 @@ def gradients(rank, world, specs):
     out = {"plain": [p.grad.full_tensor() for p in model.parameters()]}
     for spec in specs:
         model = make_model()
-        state = gradcomp.fsdp.register(model, spec)
+        state = gradcomp.fsdp.register(model, spec, start_iter=0)
         _step(model, 0, rank)
         out[spec] = {"grads": [p.grad.full_tensor() for p in model.parameters()], "stats": state.stats()}
+    model = make_model()  # start_iter=1: the first step plain, the second compressed
+    state = gradcomp.fsdp.register(model, "signsgd", start_iter=1)
+    _step(model, 0, rank)
+    out["start_iter"] = {"grads": [p.grad.full_tensor() for p in model.parameters()], "first": state.stats()}
+    model.zero_grad()
+    _step(model, 1, rank)
+    out["start_iter"]["second"] = state.stats()
     return out
 
 
 def error_feedback(rank, world, spec, steps, nan_at=None):
     """The reduce-scatter alone, on random rows: per step this rank's input, residual before and after, and output.
     nan_at: (step, rank, row) whose input gets a NaN."""
-    state = gradcomp.fsdp.FSDPCompression(spec)
+    state = gradcomp.fsdp.FSDPCompression(spec, start_iter=0)
     generator = torch.Generator().manual_seed(rank)
     shard = 37
     records = []
@@ -129,7 +136,7 @@ def hsdp(rank, world, specs, steps):
         out["native_refused"] = str(error)
     for spec in specs:
         model = make_hsdp_model(mesh, native=False)
-        state = gradcomp.fsdp.register(model, spec, replicate_group=mesh.get_group("replicate"))
+        state = gradcomp.fsdp.register(model, spec, replicate_group=mesh.get_group("replicate"), start_iter=0)
         _step(model, 0, rank)
         grads = [p.grad.to_local().clone() for p in model.parameters()]
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -148,7 +155,8 @@ def hsdp_resume(rank, world, spec, shards, steps, stop_at=None, saved_by_rank=No
     from torch.distributed.device_mesh import init_device_mesh
     mesh = init_device_mesh("cpu", (world // shards, shards), mesh_dim_names=("replicate", "shard"))
     model = make_hsdp_model(mesh, native=False)
-    state = gradcomp.fsdp.register(model, spec, replicate_group=mesh.get_group("replicate"))
+    # start_iter=1: a plain exchange, then compressed ones; a save after step 2 holds residuals
+    state = gradcomp.fsdp.register(model, spec, replicate_group=mesh.get_group("replicate"), start_iter=1)
     out = _train_resumable(model, state, rank, steps, stop_at, saved_by_rank)
     out["replica_steps"] = dict(state.replica_steps)
     return out

@@ -33,6 +33,13 @@ def test_none_gives_plain_fsdp2s_gradients_and_every_codec_reduces_close_to_plai
             cosine = torch.nn.functional.cosine_similarity(flat_plain, flat_ours, dim=0)
             assert cosine > (0.99 if spec in ("fp16", "bf16") else 0.2), (spec, cosine)
             assert total["ratio"] > (1.9 if spec in ("fp16", "bf16") else 3), (spec, total)
+        if world == 2:  # start_iter=1: the first step is FSDP's own reduce-scatter, bit for bit; then compressed
+            started = result["start_iter"]
+            for a, b in zip(plain, started["grads"], strict=True):
+                assert torch.equal(a, b)
+            first, second = started["first"]["total"], started["second"]["total"]
+            assert first["wire_bytes"] == first["raw_bytes"] > 0 and first["reduce_scatters"] == 3
+            assert second["raw_bytes"] - first["raw_bytes"] > 3 * (second["wire_bytes"] - first["wire_bytes"])
 
 
 @pytest.mark.parametrize("spec", ["topk:ratio=0.1", "signsgd", "randomk:ratio=0.1"])
@@ -86,10 +93,10 @@ def test_resume_repeats_the_uninterrupted_run_bit_for_bit():
     assert any(not torch.equal(x, y) for x, y in zip(straight[0]["shards"], fresh[0]["shards"]))
 
 
-def test_every_rank_checkpoints_resume_bit_for_bit_from_any_ranks_file():
+def test_every_rank_checkpoints_resume_bit_for_bit_from_one_ranks_file():
     """gradcomp.every_rank(state): each rank's file holds every rank's state, so rank 0's file alone resumes both."""
     spec = "signsgd"
-    straight = unwrap(run_ranks(scenarios.training, 2, (spec, 5, 2, None, True)))
+    straight = unwrap(run_ranks(scenarios.training, 2, (spec, 5, 3, None, True)))  # saved after a compressed step
     shards = [torch.load(io.BytesIO(r["saved"]), weights_only=True)[0] for r in straight]
     _, everyone, step = torch.load(io.BytesIO(straight[0]["saved"]), weights_only=True)
     assert everyone["world_size"] == 2 and [entry["rank"] for entry in everyone["ranks"]] == [0, 1]
@@ -115,6 +122,8 @@ def test_refusals_name_what_is_wrong_and_what_to_do(monkeypatch):
         gradcomp.fsdp.FSDPCompression("powersgd")
     with pytest.raises(ValueError, match="ratio"):
         gradcomp.fsdp.FSDPCompression("topk", ratio=2)
+    with pytest.raises(ValueError, match="start_iter=-1 must be an integer >= 0"):
+        gradcomp.fsdp.FSDPCompression("topk", start_iter=-1)
     with pytest.raises(ValueError, match="not a state that gradcomp.fsdp saved"):
         gradcomp.fsdp.FSDPCompression("topk").load_state_dict({"format": 1})
     saved = gradcomp.fsdp.FSDPCompression("topk").state_dict()
