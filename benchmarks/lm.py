@@ -300,7 +300,7 @@ def train_one(corpus: dict, config: Config, spec: str, seed: int, world: int, ra
             "raw_bytes_per_step": total["raw_bytes"] / steps_done,
             "ratio": total["raw_bytes"] / total["wire_bytes"] if total["wire_bytes"] else float("nan"),
             "world_size": world, "schemes": state.stats().get("schemes", "fsdp" if fsdp else None),
-            "fsdp": fsdp, "train_seconds": train_seconds,
+            "fsdp": fsdp, "start_iter": getattr(state, "start_iter", None), "train_seconds": train_seconds,
             "seconds": time.perf_counter() - started}
 
 
