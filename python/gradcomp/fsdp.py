@@ -58,6 +58,8 @@ except ImportError:  # torch without FSDP2, or with the seam elsewhere
     FSDPModule, ReduceScatter = None, object
 
 SEAM = ("set_custom_reduce_scatter", "set_force_sum_reduction_for_comms")
+# The plain steps' reduce-scatter: reduce_scatter_tensor's new name (torch 2.13 deprecates the old one)
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def register(model: torch.nn.Module, spec: str = "topk", *, replicate_group: dist.ProcessGroup | None = None,
@@ -152,7 +154,7 @@ class FSDPCompression:
         step = self.steps.get(index, 0)
         if step < self.start_iter:
             self._plain(self.residuals, index, flat)
-            dist.reduce_scatter_tensor(output, flat, group=group)
+            _reduce_scatter(output, flat, group=group)
             self.steps[index] = step + 1
             sent = (world - 1) * output.numel() * output.element_size()  # a ring reduce-scatter's
             self._count(wire_bytes=sent, raw_bytes=sent, reduce_scatters=1)
