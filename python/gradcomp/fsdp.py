@@ -29,7 +29,8 @@ What it costs and keeps:
   its own HSDP only).
 - Checkpoints: state_dict() is this rank's; gradcomp.every_rank(state) (or dcp_stateful) holds every rank's, for
   a checkpoint one rank writes. They load on the world size that saved them only (a row is a rank's shard).
-- At the first exchange the ranks compare their configuration and steps (one gather): a mismatch raises on all.
+- At each group's first exchange its ranks compare their configuration and steps (one gather of a small object,
+  the one host-device sync): a mismatch raises on all of them.
 - PowerSGD needs each parameter's matrix shape, which the flat buffer does not give: it is refused.
 Needs FSDP2's FSDPModule.set_custom_reduce_scatter and set_force_sum_reduction_for_comms (public methods whose
 protocol lives in a private module): register looks for them and names what is missing. Tested with torch 2.13.
