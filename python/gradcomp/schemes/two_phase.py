@@ -123,8 +123,8 @@ class TwoPhaseBucket(ResidualPlan):
             try:
                 again = codec.reencode_sum(mine, average, owner_work, 1.0 / world, step=step.step, bucket=self.index,
                                            rank=owner_stream(rank, world), status=step.decode_status)
-            except Exception as error:  # raised in decode: raised here, this rank could end its step (and exit)
-                # before the all-gather has carried the notice to the ranks that wait in it
+            except Exception as error:  # raised in decode instead: raised here, it could end this rank's step (and
+                # process) before the all-gather has carried the notice to the ranks that wait in it
                 notice = (OWNER_FAILED + str(error).encode(errors="replace"))[: self.width]
                 row[: len(notice)].copy_(torch.frombuffer(bytearray(notice), dtype=torch.uint8))
                 reencode_failed.append(error)
