@@ -13,8 +13,7 @@ the W payloads it receives into its shard in one pass (decode_sum). FSDP divides
 (set_force_sum_reduction_for_comms). Every op runs on the current stream (FSDP's reduce-scatter stream), with no
 host-device sync.
 
-The first start_iter steps (2 by default, as the DDP hook's) go plain: FSDP's own reduce-scatter, which AdamW's
-first steps need (register's docstring).
+The first start_iter steps (2 by default, as the DDP hook's) go plain: FSDP's own reduce-scatter.
 
 What it costs and keeps:
 - the residual is per module, the size of its unsharded gradient (W rows of S) in the reduce dtype, and a spare
@@ -69,7 +68,7 @@ def register(model: torch.nn.Module, spec: str = "topk", *, replicate_group: dis
     state (stats, memory_bytes, state_dict / load_state_dict). spec, codec_params: as gradcomp.codec takes them.
 
     start_iter: steps of each module's plain reduce-scatter (and exchange across replicas) first, as the DDP
-    hook's start_iter: under AdamW much of what a codec costs arises in the first steps.
+    hook's start_iter (on the LM of benchmarks/lm.py under FSDP2 they changed topk's result little).
 
     replicate_group: HSDP with a compressed all-reduce across replicas. Shard the model with fully_shard on the
     1-D shard mesh (mesh["shard"] of init_device_mesh(device, (replicas, shards), mesh_dim_names=("replicate",
@@ -232,7 +231,8 @@ class FSDPCompression:
         failed, status = None, self._status(flat.device)
         try:
             again = codec.reencode_sum(mine.view(replicas, sizes[me]), average, owner, 1.0 / replicas, step=step,
-                                       bucket=index, rank=_stream(keys + everyone * replicas + global_rank, 1), status=status)
+                                       bucket=index, rank=_stream(keys + everyone * replicas + global_rank, 1),
+                                       status=status)
             row[: again.numel()].copy_(again)
         except Exception as error:  # the other replicas wait in the all-gather: they get a row saying so
             failed = error
@@ -256,8 +256,8 @@ class FSDPCompression:
                                   (owner, owner_before, torch.isfinite(average).all())):
             if kept is not None:  # a non-finite exchange leaves the residuals as they were
                 torch.where(finite, kept, was, out=kept)
-        self.total["replica_wire_bytes"] += sum(sizes) - sizes[me] + (replicas - 1) * width
-        self.total["replica_raw_bytes"] += 2 * (replicas - 1) * flat.numel() * flat.element_size() // replicas
+        self._count(replica_wire_bytes=sum(sizes) - sizes[me] + (replicas - 1) * width,
+                    replica_raw_bytes=2 * (replicas - 1) * flat.numel() * flat.element_size() // replicas)
 
     def _verify(self, group, index: int) -> None:
         """At the first exchange in group (the shard group's reduce-scatter, the replicas' exchange), its ranks
@@ -378,7 +378,8 @@ class FSDPCompression:
     def state_dict(self) -> dict[str, Any]:
         rank = dist.get_rank() if dist.is_initialized() else None
         return {"format": STATE_FORMAT, "kind": "fsdp", "config": self.config(), "rank": rank,
-                "steps": dict(self.steps), "replica_steps": dict(self.replica_steps), "residuals": _to_cpu({k: v.clone() for k, v in self.residuals.items()}),
+                "steps": dict(self.steps), "replica_steps": dict(self.replica_steps),
+                "residuals": _to_cpu({k: v.clone() for k, v in self.residuals.items()}),
                 "replica_residuals": _to_cpu({k: v.clone() for k, v in self.replica_residuals.items()}),
                 "owner_residuals": _to_cpu({k: v.clone() for k, v in self.owner_residuals.items()}),
                 "total": dict(self.total)}
