@@ -9,7 +9,9 @@ Per world size and link, one process group runs every configuration of every mod
 (round r runs each configuration for --steps timed steps after its warm-up), so that drift of this machine meets
 them all alike. A configuration: plain DDP; the no-communication limit (a hook that returns the local gradient);
 per codec, each option fixed for every bucket (the codec under each scheme it can take, min_bucket_ratio=0) and
-policy="time". A step's time is the slowest rank's (a barrier before each step); a round's figure is the median over
+policy="time" (timed after its trial, gradcomp.trial, which the policy's rows name: "model" where the cost model's
+choice stood, else the option the trial kept for every bucket). A step's time is the slowest rank's (a barrier
+before each step); a round's figure is the median over
 its steps; a configuration's, the median over the rounds, with the spread (max - min) / median of the rounds beside
 it. Ratios are to the same link's limit. The cost model's prediction: the policy's decision predicts each option's
 exposed communication per step (beyond backward without it); measured, the window from the last bucket's hook call
@@ -119,6 +121,9 @@ def measure(rank: int, model_name: str, spec: str | None, options: dict, args) -
     for _ in range(args.warmup):  # DDP's bucket rebuild, start_iter, the decision, the plans laid out
         step()
         window.take()
+    while state is not None and state.deciding:  # the policy's trial: its steps are not timed here
+        step()
+        window.take()
     times, exposed = [], []
     for _ in range(args.steps):
         dist.barrier()
@@ -131,6 +136,13 @@ def measure(rank: int, model_name: str, spec: str | None, options: dict, args) -
         result["schemes"] = state.stats()["schemes"]
         result["decision"] = state.stats()["decision"]
     return result
+
+
+def predicted_for_policy(decision: dict) -> float:
+    """The predicted exposed communication of what the policy sends after its trial: the model's choice, or the
+    option the trial kept for every bucket."""
+    chosen = (decision.get("trial") or {}).get("chosen")
+    return decision["predicted_exposed_s"]["policy" if chosen in (None, "model") else chosen]
 
 
 def rank_main(args) -> None:
@@ -185,7 +197,8 @@ def table_rows(runs: dict, codecs: list[str]) -> list[dict]:
             plain = statistics.median(medians["plain DDP"])
             for spec in codecs:
                 policy = [e for e in mine if e["config"] == f"{spec} policy"]
-                predictions = [e["decision"]["predicted_exposed_s"] for e in policy if e["decision"]]
+                predictions = [{**e["decision"]["predicted_exposed_s"], "policy": predicted_for_policy(e["decision"])}
+                               for e in policy if e["decision"]]
                 fixed_labels = [label for label, s, _ in configurations([spec]) if s == spec and "policy" not in label]
                 fastest_fixed = min(statistics.median(medians[label]) for label in fixed_labels + ["plain DDP"])
                 for label in ["plain DDP", *fixed_labels, f"{spec} policy"]:
@@ -201,7 +214,9 @@ def table_rows(runs: dict, codecs: list[str]) -> list[dict]:
                            "measured_exposed_ms": 1e3 * statistics.median(windows[label]),
                            "step_minus_limit_ms": 1e3 * (median - limit),
                            "predicted_exposed_ms": 1e3 * statistics.median(predicted) if predicted else None,
-                           "choices": [e["schemes"] for e in policy] if label.endswith("policy") else None}
+                           "choices": [e["schemes"] for e in policy] if label.endswith("policy") else None,
+                           "trial": [(e["decision"].get("trial") or {}).get("chosen") for e in policy if e["decision"]]
+                           if label.endswith("policy") else None}
                     rows.append(row)
     return rows
 
@@ -283,7 +298,8 @@ def report(rows: list[dict], stem: str, meta: dict) -> None:
         predicted = f"{r['predicted_exposed_ms']:8.1f}" if r["predicted_exposed_ms"] is not None else f"{'-':>8}"
         print(f"{r['world']:5d} {r['link']:>8} {r['model']:>8} {r['config']:32} {r['median_ms']:9.1f} "
               f"{100 * r['spread']:6.1f}% {r['vs_limit']:8.2f} {r['vs_plain']:8.2f} {r['vs_fastest_fixed']:7.2f} "
-              f"{predicted} {r['measured_exposed_ms']:8.1f}" + (f"  {r['choices']}" if r["choices"] else ""))
+              f"{predicted} {r['measured_exposed_ms']:8.1f}" + (f"  {r['choices']} trial {r['trial']}"
+                                                                 if r["choices"] else ""))
     totals = summary(rows)
     print("\n" + json.dumps(totals))
     write_results(stem, {**meta, "summary": totals, "rows": rows},

@@ -240,7 +240,7 @@ def run(rank: int, world: int, local_rank: int, backend: str, args: argparse.Nam
             nn.utils.clip_grad_norm_(model.parameters(), CLIP_NORM)
             optimizer.step()
             loss_sum += loss.detach()
-            if not explained and state.stats()["decision"] is not None:
+            if not explained and not state.deciding:  # policy="time": once its decision stands
                 explained = True
                 if is_main:
                     print(("\r" if show_bar else "") + state.explain(), flush=True)

@@ -31,6 +31,8 @@ every bucket; the best predicted of these and of each option for every bucket. I
 time beats all-plain's by MARGIN; else every bucket goes plain. So the choice is never predicted slower than plain
 DDP, nor slower than any option fixed for every bucket by more than MARGIN (within which plain is preferred). It
 is kept in the state (a resumed run repeats it) and taken anew every `remeasure_every` steps where that is set.
+Then the run tries the model's shortlist for a few steps each and keeps the fastest measured (gradcomp.trial;
+trial_steps=0 leaves the model's choice).
 Known limits (benchmarks/README.md, policy.py): the hook's per-step work on busy cores is not in the dry runs, and
 compute on the collectives' callbacks is taken to hold the link; on shared CPU cores the model under-predicts.
 On a GPU every time is a pair of CUDA events, read at the decision (one sync), none per step.
@@ -42,10 +44,12 @@ import math
 import statistics
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from . import trial as policy_trial
 from .codecs import chunk_bounds
 from .powersgd import PowerSGD
 from .schemes import AllreduceBucket, PowerSGDBucket
@@ -307,17 +311,21 @@ class Clock:
 
 class WarmupTimings:
     """What the plain warm-up steps show: when each bucket's hook was called (backward's progress), and each plain
-    allreduce from its launch to its completion. Kept in memory only: a decision is taken once, and saved."""
+    allreduce from its launch to its completion; and each step's start, there and during the trial (gradcomp.trial).
+    Kept in memory only: a decision is taken once, and saved."""
 
     def __init__(self):
         self.clock = None
         self.steps: dict[int, list] = {}  # step -> [(bucket index, mark)] in launch order
         self.allreduces: dict[int, list] = {}  # step -> [(bytes, launch mark, [completion mark])]
+        self.starts: dict[int, Any] = {}  # step -> the mark of its first bucket's hook call
 
     def bucket_called(self, step: int, index: int, device: torch.device) -> None:
         if self.clock is None:
             self.clock = Clock(device)
-        self.steps.setdefault(step, []).append((index, self.clock.mark()))
+        mark = self.clock.mark()
+        self.steps.setdefault(step, []).append((index, mark))
+        self.starts.setdefault(step, mark)
 
     def allreduce_launched(self, step: int, nbytes: int):
         """Returns what the allreduce's completion callback calls (on the stream that waits for it, on a GPU)."""
@@ -326,6 +334,18 @@ class WarmupTimings:
         entry = (nbytes, self.clock.mark(), [])
         self.allreduces.setdefault(step, []).append(entry)
         return lambda: entry[2].append(self.clock.mark())
+
+    def step_started(self, step: int, device: torch.device) -> None:
+        """A step's first bucket reached the hook: step_seconds() takes the times between consecutive steps."""
+        if self.clock is None:
+            self.clock = Clock(device)
+        self.starts.setdefault(step, self.clock.mark())
+
+    def step_seconds(self) -> dict[int, float]:
+        """step -> seconds from its first hook call to the next step's (every step of it: forward, backward,
+        communication, optimizer), for each step whose next one was marked too."""
+        return {s: self.clock.seconds(mark, self.starts[s + 1]) for s, mark in self.starts.items()
+                if s + 1 in self.starts}
 
     def ready_offsets(self, indices: list[int]) -> list[float] | None:
         """Per bucket (in the order given), the median over the warm-up steps of its hook call after the first's;
@@ -600,5 +620,6 @@ def explain(decision: dict | None, spec: str) -> str:
         lines.append(f"{bucket['index']:>6} {bucket['bytes'] / 1e6:8.2f} {times}  {bucket['choice']}")
     predicted = decision["predicted_exposed_s"]
     lines.append("predicted communication per step beyond backward (ms): "
-                 + ", ".join(f"{o} {predicted[o] * 1e3:.2f}" for o in [*options, "policy"]))
-    return "\n".join(lines)
+                 + ", ".join(f"{o} {predicted[o] * 1e3:.2f}" for o in options)
+                 + f", the model's choice {predicted['policy'] * 1e3:.2f}")
+    return "\n".join(lines + policy_trial.describe(decision.get("trial")))

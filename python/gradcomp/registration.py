@@ -43,8 +43,8 @@ def find_ddp(model) -> torch.nn.parallel.DistributedDataParallel:
 def register(ddp_model: torch.nn.Module, spec: "str | CompressionState" = "topk", *,
              process_group: dist.ProcessGroup | None = None, scheme: str = "auto", start_iter: int = 2,
              start_codec: str | None = None, min_bucket_ratio: float = 1.0, log_every: int = 0,
-             node_size: int | None = None, policy: str = "codec", remeasure_every: int = 0, elastic: bool = False,
-             **codec_params: Any) -> CompressionState:
+             node_size: int | None = None, policy: str = "codec", remeasure_every: int = 0,
+             trial_steps: int | None = None, elastic: bool = False, **codec_params: Any) -> CompressionState:
     """Registers codec `spec` as ddp_model's communication hook; returns its state (for stats and checkpoints).
 
     ddp_model: a DistributedDataParallel model, or what a framework hands out around one (Fabric's module,
@@ -75,6 +75,9 @@ def register(ddp_model: torch.nn.Module, spec: "str | CompressionState" = "topk"
         scheme `scheme` allows, from the links, kernels and backward measured during the warm-up (gradcomp.policy;
         state.explain() shows the decision). Never what it predicts slower than plain DDP.
     remeasure_every: under policy="time", measure the links and kernels again and re-decide every N steps (0: never).
+    trial_steps: under policy="time", after the model's decision, the steps measured per candidate of its shortlist
+        (the model's choice and each option for every bucket, unless predicted far slower), run in 2 rounds; the
+        fastest measured stands (gradcomp.trial). 0: the model's choice stands. Default 4 under policy="time".
     elastic: a state of every rank (gradcomp.every_rank) saved on another number of ranks loads: each rank takes the
         saved residuals' average, which the new ranks' average then equals (gradcomp.elastic says how each scheme's
         state is spread). Without it such a state is refused.
@@ -90,7 +93,7 @@ def register(ddp_model: torch.nn.Module, spec: "str | CompressionState" = "topk"
         options = {"scheme": (scheme, "auto"), "start_iter": (start_iter, 2), "start_codec": (start_codec, None),
                    "min_bucket_ratio": (min_bucket_ratio, 1.0), "log_every": (log_every, 0),
                    "node_size": (node_size, None), "policy": (policy, "codec"), "remeasure_every": (remeasure_every, 0),
-                   "elastic": (elastic, False),
+                   "trial_steps": (trial_steps, None), "elastic": (elastic, False),
                    **{k: (v, None) for k, v in codec_params.items()}}
         given = [k for k, (value, default) in options.items() if value != default]
         if given:
@@ -103,7 +106,7 @@ def register(ddp_model: torch.nn.Module, spec: "str | CompressionState" = "topk"
         state = CompressionState(spec, process_group=group, scheme=scheme, start_iter=start_iter,
                                  start_codec=start_codec, min_bucket_ratio=min_bucket_ratio, log_every=log_every,
                                  node_size=node_size, policy=policy, remeasure_every=remeasure_every,
-                                 elastic=elastic, **codec_params)
+                                 trial_steps=trial_steps, elastic=elastic, **codec_params)
     state.bind(ddp_model.module, ddp_model)
     ddp_model.register_comm_hook(state, hook)
     ddp_model._gradcomp_state = state

@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import statistics
 import warnings
 import weakref
 from typing import Any
@@ -23,6 +24,7 @@ from . import _ops
 from ._futures import value_or_raise
 from . import nodes as node_layout
 from . import policy as time_policy
+from . import trial as policy_trial
 from .codecs import codec as make_codec
 from .powersgd import PowerSGD
 from .schemes import PLANS, HierarchicalBucket, PlainBucket, check_scheme, fixed_scheme, make_plan, plan_class, \
@@ -56,12 +58,13 @@ class CompressionState(StateCheckpoints):
     __slots__ = ("process_group", "codec", "scheme", "start_iter", "start_codec", "min_bucket_ratio", "log_every",
                  "node_size", "iter", "_plans", "_start_plans", "_warmup_layout", "_pool", "_param_keys", "_model",
                  "_ddp", "_nodes", "_verified", "_total", "_last", "_current", "_warned", "_sequencer", "_checks",
-                 "_device_counts", "policy", "remeasure_every", "_decision", "_timings", "elastic")
+                 "_device_counts", "policy", "remeasure_every", "trial_steps", "_decision", "_timings", "elastic")
 
     def __init__(self, spec: str = "topk", *, process_group: dist.ProcessGroup | None = None, scheme: str = "auto",
                  start_iter: int = 2, start_codec: str | None = None, min_bucket_ratio: float = 1.0,
                  log_every: int = 0, node_size: int | None = None, policy: str = "codec", remeasure_every: int = 0,
-                 elastic: bool = False, model: torch.nn.Module | None = None, **codec_params: Any):
+                 trial_steps: int | None = None, elastic: bool = False, model: torch.nn.Module | None = None,
+                 **codec_params: Any):
         for name, value in (("start_iter", start_iter), ("log_every", log_every), ("remeasure_every", remeasure_every)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"gradcomp: {name}={value!r} must be an integer >= 0")
@@ -85,6 +88,9 @@ class CompressionState(StateCheckpoints):
             raise ValueError(f"gradcomp: remeasure_every={remeasure_every} re-takes the decision of policy='time'; "
                              f"this state has policy={policy!r}")
         self.remeasure_every = remeasure_every
+        default_trial = policy_trial.ROUNDS * 2 if policy == "time" else 0
+        self.trial_steps = policy_trial.check_trial_steps(default_trial if trial_steps is None else trial_steps,
+                                                          policy)
         if not isinstance(elastic, bool):
             raise ValueError(f"gradcomp: elastic={elastic!r} must be True or False")
         self.elastic = elastic  # load_state_dict spreads an every-rank state of another world size (gradcomp.elastic)
@@ -173,7 +179,8 @@ class CompressionState(StateCheckpoints):
     def _verify(self) -> None:
         """All ranks compare their configuration and step, and the rank and world size their residuals were built
         on (a pickled state registered elsewhere): a mismatch raises on every rank, no hang."""
-        mine = json.dumps({**self.config(), "step": self.iter}, sort_keys=True)
+        mine = json.dumps({**self.config(), "step": self.iter, "remeasure_every": self.remeasure_every,
+                           "trial_steps": self.trial_steps}, sort_keys=True)
         built_on = sorted({(p.rank, p.world) for p in self._plans.values() if getattr(p, "world", None) is not None})
         group = self._group()
         everyone: list[Any] = [None] * dist.get_world_size(group)
@@ -249,6 +256,8 @@ class CompressionState(StateCheckpoints):
                 self._record_layout(bucket, buffer)
             if timed:
                 self._timings.bucket_called(self.iter, bucket.index(), buffer.device)
+            if self._current["buckets"] == 1 and self.policy == "time" and not starting:
+                self._follow_trial(step, buffer)
             if not compressible:
                 future = self._plain(step, buffer)
             elif starting and self.start_codec is None:
@@ -266,7 +275,7 @@ class CompressionState(StateCheckpoints):
                     if self.policy == "time" and self._decision is None:
                         self._decide(step, buffer, list(self._warmup_layout.values()))
                     self._first_plans(step, buffer)
-                elif self._remeasures_now(step):
+                elif self._remeasures_now(step) and not self._trial_running():
                     self._decide(step, buffer, list(self._plans.values()))
                     self._retire_changed_plans()
                 future = self._compressed(step, bucket, buffer, self._plans, self._new_plan)
@@ -497,7 +506,11 @@ class CompressionState(StateCheckpoints):
         largest = max((sum(torch.Size(s).numel() for s in b["shapes"]) * b["dtype"].itemsize for b in buckets),
                       default=0)
         clock = time_policy.Clock(buffer.device)
+        self._timings.step_started(self.iter, buffer.device)  # the end of the last plain step
         clock.sync()  # on a GPU, the warm-up's events are read now: the decision's one wait for the device
+        plain_steps = list(self._timings.step_seconds().values())
+        plain_step = statistics.median(plain_steps) if plain_steps else \
+            ((self._decision or {}).get("trial") or {}).get("plain_step_s")  # re-measured: as the warm-up showed
         if self._decision is None:
             links = time_policy.measure_links(needed, groups, largest, buffer.device, clock,
                                               self._timings.allreduce_points())
@@ -513,8 +526,38 @@ class CompressionState(StateCheckpoints):
                                                      step.group, buffer.device, measured)
         self._decision = time_policy.decide(model, ready, buckets, self.codec, self.scheme, step.world, node_size,
                                             self.iter, measured)
+        plain_step = policy_trial.max_over_ranks(plain_step, step.group, buffer.device)
+        self._decision["trial"] = policy_trial.plan(self._decision, self.trial_steps, plain_step)
         self._timings = time_policy.WarmupTimings()
         logger.info("%s", time_policy.explain(self._decision, self.spec))
+
+    @property
+    def deciding(self) -> bool:
+        """policy='time': True until its decision stands (before it is taken, and during its trial)."""
+        return self.policy == "time" and (self._decision is None or self._trial_running())
+
+    def _trial_running(self) -> bool:
+        trial = (self._decision or {}).get("trial")
+        return trial is not None and trial["chosen"] is None
+
+    def _follow_trial(self, step: Step, buffer: torch.Tensor) -> None:
+        """policy='time''s trial (gradcomp.trial), at the first bucket of each step while it runs: the step's candidate
+        sends every bucket; at the first step after it, the verdict, the same on every rank."""
+        if not self._trial_running():
+            return
+        trial = self._decision["trial"]
+        self._timings.step_started(self.iter, buffer.device)
+        name = policy_trial.candidate_at(trial, self.iter)
+        if name is None:
+            time_policy.Clock(buffer.device).sync()  # on a GPU, the trial's events are read now: its one wait
+            trial = policy_trial.verdict(trial, self._timings.step_seconds(), step.group, buffer.device)
+            self._decision["trial"], name = trial, trial["chosen"]
+            self._timings = time_policy.WarmupTimings()
+        for bucket, choice in zip(self._decision["buckets"], trial["choices"][name]):
+            bucket["choice"] = choice
+        self._retire_changed_plans()
+        if trial["chosen"] is not None:
+            logger.info("%s", time_policy.explain(self._decision, self.spec))
 
     def _time_plans(self, step: Step, buffer: torch.Tensor, buckets: list[dict], options: list[str], clock) -> list:
         """Per bucket, {option: (encode, middle, decode) seconds} of a scratch plan of that scheme launched on this step's

@@ -219,6 +219,7 @@ class StateCheckpoints:
         self.start_codec, self._start_plans = None, {}  # states pickled before start codecs have neither
         self.node_size = None  # nor before nodes
         self.policy, self.remeasure_every, self._decision = "codec", 0, None  # nor before policy="time"
+        self.trial_steps = 0  # nor before its trial
         self.elastic = False  # nor before elastic resumes
         self._warmup_layout = {}  # nor before the buckets' layout was kept during the first steps
         self._unbind()  # parameters are matched anew when the state meets its model

@@ -10,6 +10,7 @@ import torch
 
 import gradcomp
 import gradcomp.policy as time_policy
+import gradcomp.trial as policy_trial
 from ddp_scenarios import make_model, train, wrap
 from reliability_scenarios import hook_recording_sent, residuals_per_parameter
 
@@ -39,15 +40,33 @@ def skewed(rank: int, skew: float, seen: list):
     return scaled
 
 
-def recorded(rank, world, spec, options, steps, schedule=None, skew=None):
-    """Trains steps under policy="time" (options: more of the state's). Returns this rank's gradient into the hook and
-    DDP's applied gradient per step and parameter, its residuals at the end (reliability_scenarios'), every decision,
+def scripted_trial(rank: int, seconds: dict):
+    """Makes the trial's measured steps what seconds says: {candidate: [this rank's seconds per rank]} (every step of
+    a candidate alike), recording nothing else; and keeps the whole shortlist (no pruning)."""
+    policy_trial.PRUNE = float("inf")
+    verdict = policy_trial.verdict
+
+    def scripted(trial, step_seconds, group, device):
+        fake = {step: seconds[policy_trial.candidate_at(trial, step)][rank] for step in step_seconds
+                if policy_trial.candidate_at(trial, step) is not None}
+        return verdict(trial, fake, group, device)
+
+    policy_trial.verdict = scripted
+
+
+def recorded(rank, world, spec, options, steps, schedule=None, skew=None, trial_seconds=None):
+    """Trains steps under policy="time" (options: more of the state's; trial_steps=0 unless given; trial_seconds: see
+    scripted_trial). Returns this rank's gradient into the hook, DDP's applied gradient and the buckets' schemes per
+    step and parameter, its residuals at the end (reliability_scenarios'), every decision,
     the measurements before they were combined (skew: each rank's scaled, see skewed), and the final parameters."""
     if schedule is not None:
         time_policy.choose = scheduled(schedule)
     seen: list = []
     if skew is not None:
         time_policy.measure_links = skewed(rank, skew, seen)
+    if trial_seconds is not None:
+        scripted_trial(rank, trial_seconds)
+    options = {"trial_steps": 0, **options}
     decisions = []
     decide = time_policy.decide
     time_policy.decide = lambda *args: decisions.append(decide(*args)) or decisions[-1]
@@ -56,12 +75,13 @@ def recorded(rank, world, spec, options, steps, schedule=None, skew=None):
     state = gradcomp.CompressionState(spec, model=model, policy="time", **options)
     sent: list[dict] = []
     ddp.register_comm_hook(state, hook_recording_sent(sent))
-    applied = []
+    applied, schemes = [], []
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     original_zero = optimizer.zero_grad
 
     def record(step):
         applied.append([p.grad.detach().clone().reshape(-1) for p in model.parameters()])
+        schemes.append({p.index: p.scheme for p in state._plans.values()})
 
     def zero_grad(*args, **kwargs):
         sent.append({})
@@ -74,15 +94,20 @@ def recorded(rank, world, spec, options, steps, schedule=None, skew=None):
     count = len(list(model.parameters()))
     return {"sent": [[s[k] for k in range(count)] for s in sent[:steps]], "applied": applied,
             "residual": [residual.get(k) for k in range(count)], "owner": [owner.get(k) for k in range(count)],
-            "schemes_at_end": {p.index: p.scheme for p in state._plans.values()}, "decisions": decisions,
+            "schemes_at_end": {p.index: p.scheme for p in state._plans.values()}, "schemes_per_step": schemes,
+            "decisions": decisions,
             "measured": seen, "explain": state.explain(), "stats": state.stats(),
             "params": [p.detach().clone() for p in model.parameters()]}
 
 
-def resume(rank, world, spec, options, total, split, workdir, phase, schedule):
+def resume(rank, world, spec, options, total, split, workdir, phase, schedule, trial_seconds=None):
     """phase "whole": total steps; phase "first": split steps, then the model and this rank's state saved in workdir;
     phase "rest": a fresh model and state loaded from there, the remaining steps. choose follows schedule (a resumed
-    run after the decision must not call it). Returns the final parameters and the choices taken in this process."""
+    run after the decision must not call it); trial_steps=0 unless options give it, the trial's times then scripted
+    (scripted_trial). Returns the final parameters, the choices taken in this process and the state's decision."""
+    if trial_seconds is not None:
+        scripted_trial(rank, trial_seconds)
+    options = {"trial_steps": 0, **options}
     schedule_taken = scheduled(schedule)
     calls = []
     time_policy.choose = lambda ready, options_: calls.append(1) or schedule_taken(ready, options_)
@@ -103,4 +128,4 @@ def resume(rank, world, spec, options, total, split, workdir, phase, schedule):
     if phase == "first":
         torch.save({"model": model.state_dict(), "state": state.state_dict(), "step": split}, path)
     return {"params": [p.detach().clone() for p in model.parameters()], "choose_calls": len(calls),
-            "schemes": {p.index: p.scheme for p in state._plans.values()}}
+            "schemes": {p.index: p.scheme for p in state._plans.values()}, "decision": state.stats()["decision"]}

@@ -1,7 +1,7 @@
 """policy="time": the cost model's arithmetic against hand-worked cases, the choice (never predicted slower than
 plain DDP, plain where communication hides behind backward), one decision on every rank even when their measurements
 differ, resume repeating the decision and the run bit for bit, error feedback across switches between plain and
-compressed (nothing lost), and the refusals."""
+compressed (nothing lost), the refusals, and the trial that measures the model's shortlist (gradcomp.trial)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import torch
 import gradcomp
 import gradcomp.policy as time_policy
 import gradcomp.schemes
+import gradcomp.trial as policy_trial
 import policy_scenarios as scenarios
 from ddp_harness import run_ranks, unwrap
 from gradcomp.policy import Cost, CostModel, Line
@@ -123,7 +124,11 @@ def test_bad_options_are_refused_by_name():
                 ({"policy": "time", "start_codec": "qsgd"}, "start_codec"),
                 ({"policy": "time", "min_bucket_ratio": 2.0}, "min_bucket_ratio=2.0"),
                 ({"policy": "time", "remeasure_every": -1}, "remeasure_every=-1"),
-                ({"remeasure_every": 5}, "remeasure_every=5")]
+                ({"remeasure_every": 5}, "remeasure_every=5"),
+                ({"policy": "time", "trial_steps": 3}, "trial_steps=3"),
+                ({"policy": "time", "trial_steps": -2}, "trial_steps=-2"),
+                ({"policy": "time", "trial_steps": True}, "trial_steps=True"),
+                ({"trial_steps": 4}, "trial_steps=4")]
     for options, named in refusals:
         with pytest.raises(ValueError, match=named.replace("(", r"\(").replace(")", r"\)")):
             gradcomp.CompressionState("topk", **options)
@@ -205,6 +210,67 @@ def test_a_resumed_run_repeats_the_decision_and_the_run_bit_for_bit(tmp_path, sp
         rest = unwrap(run_ranks(scenarios.resume, world, (spec, {}, total, split, str(tmp_path), "rest", schedule)))
     assert len(set(whole[0]["schemes"].values())) >= 2
     assert rest[0]["schemes"] == whole[0]["schemes"]
+    for r_whole, r_rest in zip(whole, rest):
+        for a, b in zip(r_whole["params"], r_rest["params"]):
+            assert torch.equal(a, b)
+
+
+# -- the trial -----------------------------------------------------------------------------------------------------
+
+# Scripted step times per candidate, [rank 0's, rank 1's]: rank 0 alone would keep plain; the slowest rank's medians
+# make allgather the fastest.
+TRIAL_SECONDS = {"model": [2.5, 2.5], "plain": [1.0, 3.0], "allgather": [2.0, 2.0], "two-phase": [2.2, 2.4]}
+
+
+def test_the_trial_shortlist_drops_what_is_predicted_far_slower_and_schedules_the_rest_in_blocks():
+    decision = {"step": 5, "options": ["plain", "allgather", "two-phase"],
+                "buckets": [{"choice": "allgather"}, {"choice": "plain"}],
+                "predicted_exposed_s": {"policy": 0.1, "plain": 2.0, "allgather": 0.12, "two-phase": 0.3}}
+    trial = policy_trial.plan(decision, 4, plain_step_s=2.5)  # compute 0.5 s: plain's 2.5 s is over 1.5 x 0.6 s
+    assert trial["names"] == ["model", "allgather", "two-phase"] and trial["block"] == 3
+    assert trial["choices"]["model"] == ["allgather", "plain"] and trial["choices"]["two-phase"] == ["two-phase"] * 2
+    assert [policy_trial.candidate_at(trial, s) for s in range(4, 24)] == \
+        [None] + ["model"] * 3 + ["allgather"] * 3 + ["two-phase"] * 3 + ["model"] * 3 + ["allgather"] * 3 + \
+        ["two-phase"] * 3 + [None]
+    assert [s for s in range(5, 23) if policy_trial.counted(trial, s)] == [6, 7, 9, 10, 12, 13, 15, 16, 18, 19, 21, 22]
+    assert len(policy_trial.plan(decision, 4, plain_step_s=None)["names"]) == 4  # nothing measured: nothing pruned
+    assert policy_trial.plan(decision, 0, plain_step_s=2.5) is None
+    plain_chosen = {**decision, "buckets": [{"choice": "plain"}] * 2,
+                    "predicted_exposed_s": {"policy": 0.2, "plain": 0.2, "allgather": 3.0, "two-phase": 3.0}}
+    assert policy_trial.plan(plain_chosen, 4, plain_step_s=0.5) is None  # only plain is left: nothing to try
+
+
+def test_the_trial_runs_each_candidate_in_turn_and_every_rank_keeps_the_fastest_for_the_slowest_rank():
+    """Each step of the trial goes under its candidate; the verdict takes each candidate's median per rank, the
+    largest over the ranks, then the fastest: the same on every rank, though rank 0 alone would keep plain; after it,
+    every step goes that way; and the switches lost nothing."""
+    world, steps = 2, 22
+    results = unwrap(run_ranks(scenarios.recorded, world, ("signsgd", {"trial_steps": 2}, steps,
+                                                           [["two-phase", "plain"]], None, TRIAL_SECONDS), timeout=300))
+    decision = results[0]["stats"]["decision"]
+    trial = decision["trial"]
+    assert trial["names"] == ["model", "plain", "allgather", "two-phase"] and trial["block"] == 2
+    assert trial["measured_step_s"] == {"model": 2.5, "plain": 3.0, "allgather": 2.0, "two-phase": 2.4}
+    assert trial["chosen"] == "allgather" and all(r["stats"]["decision"] == decision for r in results)
+    indices = [b["index"] for b in decision["buckets"]]
+    assert len(indices) >= 2
+    for step in range(decision["step"], steps):
+        name = policy_trial.candidate_at(trial, step) or trial["chosen"]
+        expected = dict(zip(indices, trial["choices"][name]))
+        assert results[0]["schemes_per_step"][step] == expected, step
+    assert_nothing_lost(results, steps, replicas=world)
+    assert "chosen: allgather" in results[0]["explain"]
+
+
+def test_a_run_resumed_during_the_trial_follows_its_schedule_bit_for_bit(tmp_path):
+    world, total, split, spec = 2, 22, 7, "signsgd"
+    schedule, options = [["two-phase", "plain"]], {"trial_steps": 2}
+    args = (spec, options, total, split, str(tmp_path))
+    whole = unwrap(run_ranks(scenarios.resume, world, (*args, "whole", schedule, TRIAL_SECONDS)))
+    unwrap(run_ranks(scenarios.resume, world, (*args, "first", schedule, TRIAL_SECONDS)))
+    rest = unwrap(run_ranks(scenarios.resume, world, (*args, "rest", [["plain"]], TRIAL_SECONDS)))
+    assert all(r["choose_calls"] == 0 for r in rest)
+    assert whole[0]["decision"]["trial"]["chosen"] == rest[0]["decision"]["trial"]["chosen"] == "allgather"
     for r_whole, r_rest in zip(whole, rest):
         for a, b in zip(r_whole["params"], r_rest["params"]):
             assert torch.equal(a, b)
