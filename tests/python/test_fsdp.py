@@ -45,7 +45,8 @@ def test_none_gives_plain_fsdp2s_gradients_and_every_codec_reduces_close_to_plai
 @pytest.mark.parametrize("spec", ["topk:ratio=0.1", "signsgd", "randomk:ratio=0.1"])
 def test_error_feedback_loses_nothing(spec):
     """Per step and row j: the ranks' inputs plus their residuals before = the owner's output plus the residuals
-    after (what was not sent is kept, by every sender)."""
+    after (what was not sent is kept, by every sender); a rank's own row, which never crosses the wire, goes into
+    its output whole and leaves no residual."""
     world, steps = 3, 4
     results = unwrap(run_ranks(scenarios.error_feedback, world, (spec, steps)))
     for step in range(steps):
@@ -54,6 +55,7 @@ def test_error_feedback_loses_nothing(spec):
         for owner in range(world):
             output = results[owner][step]["output"]
             assert torch.allclose(sent[owner], output + kept[owner], rtol=1e-5, atol=1e-5), (step, owner)
+            assert not results[owner][step]["after"].view(world, -1)[owner].any()
         assert any(r[step]["after"].abs().sum() > 0 for r in results)
 
 
@@ -67,7 +69,8 @@ def test_a_nan_reaches_its_owner_and_leaves_the_senders_residual_of_that_row_as_
     sender = nan_step[0]
     rows = slice(2 * shard, 3 * shard)
     assert torch.equal(sender["after"][rows], sender["before"][rows])  # that row's residual as it was
-    assert not torch.equal(sender["after"][:shard], sender["before"][:shard])  # the others took in the step
+    assert not torch.equal(sender["after"][shard:2 * shard], sender["before"][shard:2 * shard])  # row 1 took it in
+    assert not sender["after"][:shard].any()  # its own row, exact in its output, leaves no residual
     assert all(torch.isfinite(r[2]["after"]).all() for r in results)  # nothing non-finite carried on
 
 
