@@ -143,6 +143,9 @@ def test_policy_quick_mode_times_every_option_and_the_policy(tmp_path):
             policy = rows[(link, spec, f"{spec} policy")]
             assert len(policy["choices"]) == report["rounds"]  # the schemes it chose, each round
             assert all(set(c) <= {"plain", "allgather", "two-phase"} for c in policy["choices"])
+            # timed after its trial: the candidate that stood each round (None where the shortlist held one)
+            assert len(policy["trial"]) == report["rounds"]
+            assert set(policy["trial"]) <= {None, "model", "plain", "allgather", "two-phase"}
             assert policy["predicted_exposed_ms"] is not None and policy["measured_exposed_ms"] >= 0
             assert 0 <= policy["spread"] and policy["vs_limit"] > 0
     # 1 Gbit/s: plain DDP's 9.5 MB per step cannot hide behind the MLP's little backward
