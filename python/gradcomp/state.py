@@ -368,8 +368,10 @@ class CompressionState(StateCheckpoints):
             return self._plain(step, flat)
         if plan.device is not None and plan.device != flat.device:  # a loaded checkpoint, kept on the CPU
             plan.to(flat.device)
-        step.add_plan_bytes(plan)
         plain = isinstance(plan, PlainBucket)
+        if plain:
+            plan.release_if_spent()
+        step.add_plan_bytes(plan)
         if not plain:
             step.add("compressed_buckets", 1)
             step.decode_status = self._checks.word(step.step, flat.device)

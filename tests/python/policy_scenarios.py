@@ -95,6 +95,7 @@ def recorded(rank, world, spec, options, steps, schedule=None, skew=None, trial_
     return {"sent": [[s[k] for k in range(count)] for s in sent[:steps]], "applied": applied,
             "residual": [residual.get(k) for k in range(count)], "owner": [owner.get(k) for k in range(count)],
             "schemes_at_end": {p.index: p.scheme for p in state._plans.values()}, "schemes_per_step": schemes,
+            "plain_residuals_held": [p.residual is not None for p in state._plans.values() if p.scheme == "plain"],
             "decisions": decisions,
             "measured": seen, "explain": state.explain(), "stats": state.stats(),
             "params": [p.detach().clone() for p in model.parameters()]}

@@ -172,6 +172,8 @@ def test_switches_between_plain_and_compressed_lose_nothing(spec):
     taken = {b["choice"] for d in results[0]["decisions"] for b in d["buckets"]}
     assert taken == {name for names in schedule for name in names}
     assert_nothing_lost(results, steps, replicas=world)
+    # a plain bucket drops the residual it took over once it is spent: it then costs what plain DDP's does
+    assert results[0]["plain_residuals_held"] == [False] and "plain" in results[0]["schemes_at_end"].values()
 
 
 def test_switches_to_and_from_the_hierarchical_scheme_lose_nothing():

@@ -4,8 +4,8 @@
 Error feedback across a switch: a bucket that was compressed before (a decision taken anew, or a
 checkpoint's residuals of its parameters) holds what its codec had not yet sent. The plain bucket takes
 that residual over and sends gradient + residual once, in full precision; the residual then becomes 0
-(kept as before when the step's data is not finite, like every scheme's), so nothing is lost. A bucket
-plain from the start keeps no residual at all."""
+(kept as before when the step's data is not finite, like every scheme's), so nothing is lost, and is dropped at
+the next step (on the CPU: release_if_spent). A bucket plain from the start keeps no residual at all."""
 
 from __future__ import annotations
 
@@ -45,6 +45,13 @@ class PlainBucket(ResidualPlan):
             piece = carried.get(key, {}).get("residual")
             if piece is not None and piece.numel() == count:
                 self.residual[offset: offset + count].copy_(piece.reshape(-1))
+
+    def release_if_spent(self) -> None:
+        """Drops a residual that holds nothing any more (all zero: sent, and no parameter set aside), so that the
+        bucket goes on as plain DDP's, without a pass over it per step. Read on the CPU only: on CUDA it would
+        take a host-device sync, and the bucket keeps the residual (zeros) instead."""
+        if self.residual is not None and not self.residual.is_cuda and not bool(self.residual.any()):
+            self.residual = self._spare = None
 
     def launch(self, step, flat: torch.Tensor, views) -> torch.futures.Future:
         work = self._working_residual()
