@@ -10,9 +10,9 @@ is what rank j keeps. gradcomp replaces the reduce-scatter of that buffer (FSDPM
 every rank encodes each row j, with its own error-feedback residual of that row, as a payload of its own (the
 two-phase scheme's encode_chunks); one all_to_all_single sends row j's payload to rank j; rank j decodes and sums
 the W - 1 payloads of the other ranks into its shard in one pass (decode_sum) and adds its own row exactly (gradient
-+ residual: that row never crosses the wire, so it is not compressed, and its residual is spent). FSDP divides by the world size afterwards
-(set_force_sum_reduction_for_comms). Every op runs on the current stream (FSDP's reduce-scatter stream), with no
-host-device sync.
++ residual: that row never crosses the wire, so it is not compressed, and its residual is spent). FSDP divides by
+the world size afterwards (set_force_sum_reduction_for_comms). Every op runs on the current stream (FSDP's
+reduce-scatter stream), with no host-device sync.
 
 The first start_iter steps (2 by default, as the DDP hook's) go plain: FSDP's own reduce-scatter.
 
@@ -164,7 +164,7 @@ class FSDPCompression:
         # Each (sender, row) pair its own random stream, also across replicas: sender g's row j is g * W + j.
         payloads = self.codec.encode_chunks(flat, residual, world, step=step, bucket=index,
                                             first_rank=_stream(me * world, world))
-        before = None
+        before = finite = None
         if residual is not None:  # a row whose gradient is not finite keeps its residual (the codec may not show it
             # there: topk sends a NaN and zeroes its place); the residual before was finite, and m = grad + residual
             # saturates, so the gradient's row decides
@@ -179,18 +179,18 @@ class FSDPCompression:
         if self.codec.vote:  # a majority vote counts every rank's sign, this rank's too
             self.codec.decode_sum(received, output, 1.0, status=status)
         else:
-            self._sum_with_own_row(output, received, flat, residual, before, dist.get_rank(group), status)
+            self._sum_with_own_row(output, received, flat, residual, before, finite, dist.get_rank(group), status)
         self._defer(status, index, step, "reduce-scatter")
         self.steps[index] = step + 1
         self._count(wire_bytes=(world - 1) * size, raw_bytes=(world - 1) * output.numel() * output.element_size(),
                     reduce_scatters=1)
 
     def _sum_with_own_row(self, output: torch.Tensor, received: torch.Tensor, flat: torch.Tensor,
-                          residual: torch.Tensor | None, before: torch.Tensor | None, row: int,
-                          status: torch.Tensor | None) -> None:
+                          residual: torch.Tensor | None, before: torch.Tensor | None, finite: torch.Tensor | None,
+                          row: int, status: torch.Tensor | None) -> None:
         """output = the other ranks' decoded payloads + this rank's own row exactly: that row never crosses the
         wire, so its gradient and the residual it had (before: the residuals' rows as they were) go into the sum
-        whole, and its residual is spent (where the row was finite; else kept, as every row's is)."""
+        whole, and its residual is spent where the row was finite (finite: per row), else kept, as every row's is."""
         world = received.shape[0]
         if world > 1:
             self.codec.decode_sum(torch.cat([received[:row], received[row + 1:]]), output, 1.0, status=status)
@@ -200,7 +200,7 @@ class FSDPCompression:
         if residual is not None:
             own = own + before[row]
             kept = residual.view(world, -1)[row]
-            torch.where(torch.isfinite(own).all(), torch.zeros_like(kept), before[row], out=kept)
+            torch.where(finite[row], torch.zeros_like(kept), before[row], out=kept)
         output.add_(own)
 
     def _plain(self, store: dict, index: int, flat: torch.Tensor) -> None:

@@ -88,7 +88,7 @@ class CompressionState(StateCheckpoints):
             raise ValueError(f"gradcomp: remeasure_every={remeasure_every} re-takes the decision of policy='time'; "
                              f"this state has policy={policy!r}")
         self.remeasure_every = remeasure_every
-        default_trial = policy_trial.ROUNDS * 2 if policy == "time" else 0
+        default_trial = policy_trial.DEFAULT_STEPS if policy == "time" else 0
         self.trial_steps = policy_trial.check_trial_steps(default_trial if trial_steps is None else trial_steps,
                                                           policy)
         if not isinstance(elastic, bool):

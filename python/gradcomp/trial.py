@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 ROUNDS = 2
+DEFAULT_STEPS = 4  # measured steps per candidate under policy="time" unless trial_steps says otherwise
 PRUNE = 1.5
 PLAIN_PREFERENCE = 0.02
 MODEL = "model"  # the candidate that is the cost model's own choice
