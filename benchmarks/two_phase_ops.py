@@ -162,7 +162,7 @@ def main(argv=None) -> int:
                   Repetitions(0.0, 1, 3, 10.0, warmup_is_sample_above=2.0))
     reference = None
     if not args.quick:
-        reference, note = load_reference()
+        reference, note = load_reference(device)
         print(note)
     grad = torch.randn(numel).to(device)
     destination = torch.empty_like(grad)

@@ -11,6 +11,7 @@
 #              GoogleTest suite and its CUDA tests
 #   gtest      the GoogleTest suite (its CUDA tests compare every CUDA codec with the CPU codec bit for bit)
 #   sanitizer  the CUDA GoogleTests under compute-sanitizer: memcheck, then racecheck
+#              (GPU_CHECK_SANITIZER_TOOLS=memcheck for memcheck alone: racecheck takes minutes)
 #   gpu-tests  pytest's GPU tests (tests/python/test_cuda.py): every codec, dtype and size CPU against
 #              CUDA bit for bit, the two-phase ops, the device payload checks, DDP with 2 ranks on one GPU
 #              over gloo, and a DDP step of every codec on NCCL with host-device syncs made errors
@@ -31,8 +32,10 @@
 # Environment: PYTHON (default python3); CUDACXX (nvcc; else PATH, else /usr/local/cuda/bin/nvcc);
 # GRADCOMP_GTEST_SOURCE (GoogleTest's sources, where no installed GoogleTest is found, e.g. a copy of
 # Debian's /usr/src/googletest); GPU_CHECK_STAGES (a comma-separated subset of the stages above, to
-# split a run; default all); GPU_CHECK_JOBS (pytest-xdist workers for the suite where xdist is
-# installed; default 4 with a GPU, 0 without).
+# split a run; default all); GPU_CHECK_SANITIZER_TOOLS (default "memcheck racecheck"); GPU_CHECK_JOBS
+# (pytest-xdist workers for the suite where xdist is installed; default 4 with a GPU, 0 without).
+# Within a short lease (an H200 with 16 cores: about 2.5 minutes, the suite left to tools/test.sh):
+#   GPU_CHECK_STAGES=build,gtest,sanitizer,gpu-tests,kernels GPU_CHECK_SANITIZER_TOOLS=memcheck
 set -uo pipefail
 if [ $# -ne 1 ] || [ -z "$1" ]; then
   echo "usage: bash tools/gpu_check.sh OUT_DIR" >&2
@@ -147,7 +150,14 @@ build() {
   (cd tests && PYTHONPATH=$SITE "$PYTHON" -c "
 import gradcomp
 assert gradcomp.cuda_built, 'built without CUDA codecs'
-print('-- gradcomp', gradcomp.__version__, 'with CUDA codecs, in', gradcomp.__file__)")
+print('-- gradcomp', gradcomp.__version__, 'with CUDA codecs, in', gradcomp.__file__)") || return 1
+  # A copy of libstdc++'s iostreams inside the extension crashes at the first integer it formats.
+  local extension
+  extension=$(ls "$SITE"/gradcomp/_C*.so)
+  if command -v nm >/dev/null && nm -D --defined-only "$extension" | grep -q "_ZNSo9_M_insert"; then
+    echo "$extension holds its own copy of libstdc++ (std::ostream::_M_insert is defined in it): see CMakeLists.txt" >&2
+    return 1
+  fi
 }
 
 extension_built() { [ -f "$SITE/gradcomp/__init__.py" ]; }
@@ -165,7 +175,7 @@ sanitizer() {
   [ -x "$GTEST" ] || { echo "no GoogleTest binary to run under compute-sanitizer" >&2; return 1; }
   local status=0 tool filter rc
   # memcheck over every CUDA test; racecheck (far slower) over all but the 3M-element cases.
-  for tool in memcheck racecheck; do
+  for tool in ${GPU_CHECK_SANITIZER_TOOLS:-memcheck racecheck}; do
     filter='*Cuda*'
     [ "$tool" = memcheck ] || filter='*Cuda*:-*n3000017*'
     echo "-- compute-sanitizer --tool $tool, tests $filter"

@@ -387,8 +387,10 @@ TEST_P(CudaChecksCompactTopk, CountsAndIndicesThatDoNotFitAreRefused) {
   std::vector<uint8_t> good;
   for (uint32_t rank = 0; rank < 2; ++rank) {
     auto grad = values(DType::F32, n, rank);
+    // Selected for sure: indices 0 and 1 (the pokes below need two in the first span) and n - 1 (the
+    // last, partial span), whatever the random values around them.
     const float big = 1e6f;
-    std::memcpy(&grad[4 * (n - 1)], &big, 4);  // each payload's last index lies in the last, partial span
+    for (const int64_t i : {int64_t{0}, int64_t{1}, n - 1}) std::memcpy(&grad[4 * i], &big, 4);
     const Encoded e = encode_on_cpu(c, header, rank, grad, {});
     good.insert(good.end(), e.payload.begin(), e.payload.end());
   }

@@ -166,8 +166,11 @@ GPU_SPECS = GPU_LOSSLESS + ["signsgd", "terngrad", "qsgd", "topk:ratio=0.05", "r
 
 def on_gpu(rank, world, specs, steps):
     """Both ranks on cuda:0 over gloo: plain DDP, then each spec compressing every bucket from step 0.
-    Per configuration: the losses, the synchronized gradients of every step (on the CPU), the stats."""
+    Per configuration: the losses, the synchronized gradients of every step (on the CPU), the stats, and the
+    loss on one held-out batch before and after training (each step's batch differs, so the training losses
+    of a few steps go up and down with the batch more than with what was learnt)."""
     device = torch.device("cuda", 0)
+    x, y = (t.to(device) for t in batch(10_000, 0, rank))
     results = {}
     for name in ["plain", *specs]:
         model = make_model().to(device)
@@ -175,9 +178,14 @@ def on_gpu(rank, world, specs, steps):
         state = None if name == "plain" else gradcomp.register(ddp, name, start_iter=0, min_bucket_ratio=0)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         grads = []
+        with torch.no_grad():
+            held_out_before = float(nn.functional.cross_entropy(model(x), y))
         losses = train(ddp, optimizer, steps, rank, device=device,
                        record=lambda _: grads.append(torch.cat([g.reshape(-1).cpu() for g in gradients(model)])))
-        results[name] = {"losses": losses, "grads": grads, "stats": state.stats() if state else None}
+        with torch.no_grad():
+            held_out_after = float(nn.functional.cross_entropy(model(x), y))
+        results[name] = {"losses": losses, "grads": grads, "stats": state.stats() if state else None,
+                         "held_out": (held_out_before, held_out_after)}
     return results
 
 

@@ -12,12 +12,13 @@ from ddp_scenarios import batch, make_model, train, wrap
 from reliability_scenarios import residuals_per_parameter
 
 
-def recorded(rank, world, configs, steps, node_size, poison_step=None, device="cpu"):
+def recorded(rank, world, configs, steps, node_size, poison_step=None, device="cpu", replay=None):
     """configs: {name: (model kind, spec or None for plain DDP, register's options, and DDP's bucket_cap_mb)}.
     Returns per config: per step, this rank's gradient going into the hook and the gradient DDP applied, per
     parameter; at the end, each level's residual per parameter, the stats, and the residuals right before and after
     poison_step (when given: rank 0's gradient then holds a NaN). device: where the model lives (gloo either way);
-    what comes back is on the CPU."""
+    what comes back is on the CPU. replay: per rank, per config, an earlier run's "sent": the hook is handed those
+    gradients instead of this backward's."""
     out = {}
     for name, (kind, spec, options) in configs.items():
         options = dict(options)
@@ -29,8 +30,11 @@ def recorded(rank, world, configs, steps, node_size, poison_step=None, device="c
             state = gradcomp.CompressionState(spec, model=model, **{"node_size": node_size, "start_iter": 1,
                                                                    "min_bucket_ratio": 0, **options})
 
-            def hook(state, bucket):
+            def hook(state, bucket, name=name):
                 keys = [state._param_keys[id(p)] for p in bucket.parameters()]
+                if replay is not None:
+                    for k, g in zip(keys, bucket.gradients()):
+                        g.copy_(replay[rank][name][len(sent) - 1][k])
                 sent[-1].update({k: g.detach().cpu().clone() for k, g in zip(keys, bucket.gradients())})
                 return gradcomp.hook(state, bucket)
 

@@ -179,7 +179,7 @@ def test_orthogonalize_on_cuda_matches_the_cpu():
 @needs_cuda_build
 def test_ddp_hook_with_two_ranks_on_one_gpu():
     """Every codec as DDP's hook, both ranks on cuda:0 over gloo: lossless settings equal plain DDP,
-    compressed training lowers the loss, and the ranks agree on every averaged gradient."""
+    compressed training lowers the loss on a held-out batch, and the ranks agree on every averaged gradient."""
     results = unwrap(run_ranks(scenarios.on_gpu, 2, (scenarios.GPU_SPECS, 12), timeout=600))
     for rank_result in results:
         plain = rank_result["plain"]["grads"]
@@ -188,7 +188,8 @@ def test_ddp_hook_with_two_ranks_on_one_gpu():
                 for got, want in zip(run["grads"], plain):
                     torch.testing.assert_close(got, want, rtol=2e-3 if spec == "fp16" else 1e-5, atol=1e-5)
             elif spec != "plain":
-                assert sum(run["losses"][-3:]) < sum(run["losses"][:3]), (spec, run["losses"])
+                before, after = run["held_out"]
+                assert after < before, (spec, run["held_out"])
                 assert run["stats"]["total"]["compressed_buckets"] > 0, spec
     for spec in results[0]:
         for got, want in zip(results[1][spec]["grads"], results[0][spec]["grads"]):
@@ -227,13 +228,15 @@ def test_the_hook_reads_device_status_words_back_without_waiting():
 @needs_cuda_build
 def test_the_hierarchical_scheme_on_the_gpu_gives_the_cpu_bits():
     """4 ranks on cuda:0 as 2 emulated nodes of 2 (gloo): every step's applied gradients and both levels' residuals
-    equal the same run's on the CPU, bit for bit."""
+    equal, bit for bit, a run on the CPU whose hooks are handed the GPU run's gradients (the backward passes
+    themselves round differently on the two devices)."""
     import hierarchical_scenarios
 
     configs = {spec: ("mlp", spec, {"scheme": "hierarchical"}) for spec in ("signsgd", "topk:ratio=0.2",
                                                                            "randomk:ratio=0.3", "qsgd")}
     on_gpu = unwrap(run_ranks(hierarchical_scenarios.recorded, 4, (configs, 4, 2, None, "cuda"), timeout=600))
-    on_cpu = unwrap(run_ranks(hierarchical_scenarios.recorded, 4, (configs, 4, 2), timeout=600))
+    sent = [{spec: result[spec]["sent"] for spec in configs} for result in on_gpu]
+    on_cpu = unwrap(run_ranks(hierarchical_scenarios.recorded, 4, (configs, 4, 2, None, "cpu", sent), timeout=600))
     for gpu, cpu in zip(on_gpu, on_cpu):
         for spec in configs:
             for step, (got, want) in enumerate(zip(gpu[spec]["applied"], cpu[spec]["applied"])):
@@ -252,5 +255,5 @@ def test_a_ddp_step_of_every_codec_makes_no_host_sync():
     result = unwrap(run_ranks(corruption_scenarios.no_host_sync, 1, (specs, 4)))[0]
     for spec in specs:
         assert result[spec]["error"] is None, (spec, result[spec]["error"])
-        assert result[spec]["stats"]["compressed_buckets"] > 0, spec
+        assert (result[spec]["stats"]["compressed_buckets"] > 0) == (spec != "none"), spec  # none goes plain
 
