@@ -11,9 +11,12 @@ measured fastest:
         the shortlist's order; the first step of a block (the switch, new plans laid out) is not counted;
     a step's time: from its first bucket's hook call to the next step's (forward, backward, communication and the
         optimizer all in it), host seconds on the CPU, CUDA events on a GPU (read at the end of the trial: one sync);
-    the verdict, at the first step after the trial: every rank's median per candidate, combined by one allreduce
-        (MAX: the slowest rank sets the pace), then the fastest; plain where it is within PLAIN_PREFERENCE of that
-        (it loses nothing to compression).
+    the verdict, at the first step after the trial: every rank's median, fastest and slowest step per candidate,
+        combined by one allreduce (MAX: the slowest rank sets the pace), then the fastest median; but plain stands
+        where it is within PLAIN_PREFERENCE of that, or where the noise leaves the gain in doubt: unless every
+        counted step of the fastest ran quicker than plain's fastest (the slowest rank's). A policy that promises
+        never to be slower than plain DDP takes compression only where the measured gain is beyond the steps'
+        scatter; where steps scatter by 25%, as on a shared CPU, that keeps plain in close calls.
 Every step of the trial is a real training step: a switch hands the error-feedback residuals over as any decision
 does (nothing lost). The schedule is fixed at the decision, so a run resumed during the trial sends each step as the
 uninterrupted one did; its verdict counts only the steps it measured itself, and may differ.
@@ -97,23 +100,32 @@ def max_over_ranks(seconds: float | None, group, device: torch.device) -> float 
 
 def verdict(trial: dict, step_seconds: dict[int, float], group, device: torch.device) -> dict:
     """The trial with its measured step times and the chosen candidate, the same on every rank. step_seconds: this
-    rank's measured steps (step -> seconds); one allreduce (MAX) combines the ranks' medians."""
-    local = []
-    for name in trial["names"]:
+    rank's measured steps (step -> seconds); one allreduce (MAX) combines the ranks' medians, fastest and slowest
+    steps."""
+    names = trial["names"]
+    medians, fastest, slowest = [], [], []
+    for name in names:
         times = [s for step, s in step_seconds.items() if counted(trial, step) and candidate_at(trial, step) == name]
-        local.append(statistics.median(times) if times else math.inf)
-    tensor = torch.tensor(local, dtype=torch.float64, device=device)
+        medians.append(statistics.median(times) if times else math.inf)
+        fastest.append(min(times) if times else math.inf)
+        slowest.append(max(times) if times else math.inf)
+    tensor = torch.tensor(medians + fastest + slowest, dtype=torch.float64, device=device)
     if dist.get_world_size(group) > 1:
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
-    measured = dict(zip(trial["names"], tensor.cpu().tolist()))
+    values = tensor.cpu().tolist()
+    count = len(names)
+    measured, fastest_of, slowest_of = (dict(zip(names, values[j * count:(j + 1) * count])) for j in range(3))
     finite = {name: s for name, s in measured.items() if math.isfinite(s)}
     if not finite:  # no step measured on some rank (a run resumed at the trial's end): the model's choice stands
-        chosen = MODEL if MODEL in trial["names"] else trial["names"][0]
+        chosen = MODEL if MODEL in names else names[0]
     else:
         chosen = min(finite, key=finite.get)  # the first of equals, in the shortlist's order
-        if "plain" in finite and finite["plain"] <= (1 + PLAIN_PREFERENCE) * finite[chosen]:
+        if "plain" in finite and (finite["plain"] <= (1 + PLAIN_PREFERENCE) * finite[chosen]
+                                  or slowest_of[chosen] >= fastest_of["plain"]):
             chosen = "plain"
     return {**trial, "measured_step_s": {k: (v if math.isfinite(v) else None) for k, v in measured.items()},
+            "step_range_s": {k: [fastest_of[k], slowest_of[k]] for k in names
+                             if math.isfinite(fastest_of[k]) and math.isfinite(slowest_of[k])},
             "chosen": chosen}
 
 
@@ -130,4 +142,9 @@ def describe(trial: dict | None) -> list[str]:
         measured = ", ".join(f"{name} {'-' if s is None else f'{s * 1e3:.1f}'}"
                              for name, s in trial["measured_step_s"].items())
         lines.append(f"measured step (ms, median, slowest rank): {measured}; chosen: {trial['chosen']}")
+        ranges = ", ".join(f"{name} {low * 1e3:.1f}-{high * 1e3:.1f}"
+                           for name, (low, high) in (trial.get("step_range_s") or {}).items())
+        if ranges:
+            lines.append(f"fastest-slowest step (ms): {ranges}; compression is taken over plain only beyond that "
+                         f"scatter")
     return lines

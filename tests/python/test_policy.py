@@ -242,6 +242,31 @@ def test_the_trial_shortlist_drops_what_is_predicted_far_slower_and_schedules_th
     assert policy_trial.plan(plain_chosen, 4, plain_step_s=0.5) is None  # only plain is left: nothing to try
 
 
+def test_the_verdict_keeps_plain_unless_the_gain_is_beyond_the_steps_scatter(monkeypatch):
+    """Compression replaces plain only where every counted step of the fastest candidate beat plain's fastest."""
+    monkeypatch.setattr(policy_trial.dist, "get_world_size", lambda group=None: 1)
+    decision = {"step": 0, "options": ["plain", "allgather"], "buckets": [{"choice": "allgather"}],
+                "predicted_exposed_s": {"policy": 0.1, "plain": 0.2, "allgather": 0.1}}
+    trial = policy_trial.plan(decision, 4, plain_step_s=None)
+    assert trial["names"] == ["model", "plain"]  # the model's choice is allgather for the one bucket
+
+    def verdict(model_steps, plain_steps):
+        counted = [s for s in range(policy_trial.length(trial)) if policy_trial.counted(trial, s)]
+        queues = {"model": list(model_steps), "plain": list(plain_steps)}
+        seconds = {s: queues[policy_trial.candidate_at(trial, s)].pop(0) for s in counted}
+        assert not any(queues.values())  # every scripted time was used: 2 rounds of 2 counted steps each
+        return policy_trial.verdict(trial, seconds, None, torch.device("cpu"))
+
+    beyond = verdict([2.0, 2.9, 2.1, 2.2], [3.0, 3.2, 3.1, 3.3])
+    assert beyond["chosen"] == "model" and beyond["step_range_s"] == {"model": [2.0, 2.9], "plain": [3.0, 3.3]}
+    within = verdict([2.0, 3.1, 2.1, 2.2], [3.0, 3.2, 3.1, 3.3])  # median 2.15 against 3.15, but one step at 3.1
+    assert within["chosen"] == "plain" and within["measured_step_s"]["model"] == pytest.approx(2.15)
+    close = verdict([2.95, 2.95, 2.95, 2.95], [3.0, 3.0, 3.0, 3.0])  # every step quicker, by under 2%
+    assert close["chosen"] == "plain"
+    assert "fastest-slowest step (ms): model 2000.0-2900.0, plain 3000.0-3300.0" in "\n".join(
+        policy_trial.describe(beyond))
+
+
 def test_the_trial_runs_each_candidate_in_turn_and_every_rank_keeps_the_fastest_for_the_slowest_rank():
     """Each step of the trial goes under its candidate; the verdict takes each candidate's median per rank, the
     largest over the ranks, then the fastest: the same on every rank, though rank 0 alone would keep plain; after it,
