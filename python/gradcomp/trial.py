@@ -13,10 +13,10 @@ measured fastest:
         optimizer all in it), host seconds on the CPU, CUDA events on a GPU (read at the end of the trial: one sync);
     the verdict, at the first step after the trial: every rank's median, fastest and slowest step per candidate,
         combined by one allreduce (MAX: the slowest rank sets the pace), then the fastest median; but plain stands
-        where it is within PLAIN_PREFERENCE of that, or where the noise leaves the gain in doubt: unless every
-        counted step of the fastest ran quicker than plain's fastest (the slowest rank's). A policy that promises
-        never to be slower than plain DDP takes compression only where the measured gain is beyond the steps'
-        scatter; where steps scatter by 25%, as on a shared CPU, that keeps plain in close calls.
+        where it is within PLAIN_PREFERENCE of that, and also unless every counted step of the fastest (on any
+        rank) ran quicker than plain's fastest (the slowest rank's). A policy that promises never to be slower
+        than plain DDP takes compression only where the measured gain is beyond the steps' scatter; where steps
+        scatter by 25%, as on a shared CPU, that keeps plain in close calls.
 Every step of the trial is a real training step: a switch hands the error-feedback residuals over as any decision
 does (nothing lost). The schedule is fixed at the decision, so a run resumed during the trial sends each step as the
 uninterrupted one did; its verdict counts only the steps it measured itself, and may differ.
