@@ -48,8 +48,9 @@ def run(world: int, dataset: str, spec: str, seed: int, epochs: int, **phase) ->
     """One phase on `world` fresh processes; rank 0's result."""
     with tempfile.TemporaryDirectory() as scratch:
         out = os.path.join(scratch, "result.json")
-        mp.start_processes(_rank, args=(world, os.path.join(scratch, "store"), dataset, spec, seed, epochs, phase,
-                                        out), nprocs=world, start_method="spawn")
+        mp.start_processes(sweep.main_job.finish_spawned_rank,  # exits 0 once done (a gloo thread can abort shutdown)
+                           args=(_rank, world, os.path.join(scratch, "store"), dataset, spec, seed, epochs, phase, out),
+                           nprocs=world, start_method="spawn")
         with open(out) as f:
             return json.load(f)
 

@@ -24,9 +24,10 @@ import torch.distributed as dist
 import torch.nn as nn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [os.path.join(ROOT, "benchmarks")]
+sys.path[:0] = [os.path.join(ROOT, "benchmarks"), os.path.join(ROOT, "examples")]
 from bench_common import machine, namespace_rank_main, run_in_namespaces, shaping_problem, write_results  # noqa: E402
 from scaling import counters  # noqa: E402
+from train_ddp import finish_spawned_rank  # noqa: E402
 
 SUBNET = "10.77.0"
 CODECS = ["none", "fp16", "qsgd", "signsgd", "topk:ratio=0.01"]
@@ -174,8 +175,7 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.rank is not None:
-        rank_main(args)
-        return 0
+        finish_spawned_rank(args.rank, lambda _: rank_main(args))  # exits 0 (a gloo thread can abort shutdown)
     problem = shaping_problem()
     if problem:
         print(f"fsdp_bytes.py needs root to give every rank a namespace of its own, whose counters it reads: "

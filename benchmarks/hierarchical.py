@@ -32,10 +32,12 @@ import sys
 import tempfile
 import time
 
-sys.path[:0] = [os.path.dirname(os.path.abspath(__file__))]
+sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)),
+                os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")]
 from bench_common import (Namespaces, machine, namespace_rank_main, run_rank_commands, shaping_problem,  # noqa: E402
                           write_results)
 from scaling import make_model, measure  # noqa: E402 - the flat scaling runs' model, and how a configuration is run
+from train_ddp import finish_spawned_rank  # noqa: E402
 
 LAYOUTS = [(2, 1), (2, 2), (2, 4), (4, 2)]
 QUICK_LAYOUTS = [(2, 2)]
@@ -179,8 +181,7 @@ def main(argv=None) -> int:
     parser.add_argument("--configs", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.rank is not None:
-        rank_main(args)
-        return 0
+        finish_spawned_rank(args.rank, lambda _: rank_main(args))  # exits 0 (a gloo thread can abort shutdown)
     stem = os.path.join(args.out, "hierarchical_quick" if args.quick else "hierarchical")
     if args.replot:
         with open(stem + ".json") as f:
