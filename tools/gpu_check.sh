@@ -35,7 +35,8 @@
 # split a run; default all); GPU_CHECK_SANITIZER_TOOLS (default "memcheck racecheck"); GPU_CHECK_JOBS
 # (pytest-xdist workers for the suite where xdist is installed; default 4 with a GPU, 0 without).
 # Within a short lease, the suite left to tools/test.sh (on an H200 with 16 cores, build, gtest, gpu-tests
-# and kernels took 133 s; memcheck of the CUDA GoogleTests but the 3M-element cases, about 10 s more):
+# and kernels took 133 s; memcheck of the CUDA GoogleTests, 10 s more when run by hand without the
+# 3M-element cases, which this stage includes: allow a minute or so):
 #   GPU_CHECK_STAGES=build,gtest,sanitizer,gpu-tests,kernels GPU_CHECK_SANITIZER_TOOLS=memcheck
 set -uo pipefail
 if [ $# -ne 1 ] || [ -z "$1" ]; then
