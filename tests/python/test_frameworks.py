@@ -32,6 +32,15 @@ def _launch(launcher: list[str], job: str, out_dir, phase: str, codecs: list[str
     return log
 
 
+def _refusals(out_dir, phase: str, world: int, cases: int) -> list[list[str]]:
+    """Per rank, the outcome of each of the cases that trainer_job.py's refused() ran in that phase, in order."""
+    paths = [out_dir / f"refusals-{phase}-rank{rank}.txt" for rank in range(world)]
+    assert all(p.exists() for p in paths), f"ranks without a refusals file: {[str(p) for p in paths if not p.exists()]}"
+    outcomes = [p.read_text().splitlines() for p in paths]
+    assert all(len(lines) == cases for lines in outcomes), outcomes
+    return outcomes
+
+
 def _assert_resumed_equals_straight(out_dir, codecs):
     for codec in codecs:
         straight, resumed, half = (torch.load(os.path.join(out_dir, f"{codec}-{name}.pt"))
@@ -94,22 +103,21 @@ def test_hugging_face_trainer_resumes_from_its_checkpoint_bit_for_bit(tmp_path):
     # Another codec refuses the checkpoint (found by resume_from_checkpoint=True), naming both. Without gradcomp's
     # files the resume is refused, unless asked for; then the residuals start empty and the run no longer repeats
     # the uninterrupted one (what the files carried mattered). Every rank raises each refusal.
-    log = _launch(TORCHRUN, "trainer_job.py", tmp_path, "refusals", ["topk"])
-    refusals = [line for line in log.splitlines() if line.startswith(("refused: ", "not refused"))]
-    assert len(refusals) == 4, log[-3000:]
-    assert all("the state was saved for another configuration (codec: saved 'topk" in line and "now 'signsgd" in line
-               for line in refusals[:2]), refusals
-    assert all("checkpoint-6 holds no gradcomp state" in line and "missing_state='fresh'" in line
-               for line in refusals[2:]), refusals
+    _launch(TORCHRUN, "trainer_job.py", tmp_path, "refusals", ["topk"])
+    for mismatch, missing in _refusals(tmp_path, "refusals", 2, cases=2):
+        assert mismatch.startswith("refused: ") and "the state was saved for another configuration (codec: saved " \
+            "'topk" in mismatch and "now 'signsgd" in mismatch, mismatch
+        assert missing.startswith("refused: ") and "checkpoint-6 holds no gradcomp state" in missing and \
+            "missing_state='fresh'" in missing, missing
     assert not any(p.name.startswith("gradcomp_state") for p in (tmp_path / "topk-half" / "checkpoint-6").iterdir())
     straight, fresh = (torch.load(tmp_path / f"topk-{name}.pt") for name in ("straight", "fresh"))
     assert not all(torch.equal(straight[k], fresh[k]) for k in straight)
 
     # On 3 ranks: refused, naming the option; with elastic=True each rank takes the 2 saved ranks' average and trains.
-    log = _launch([*TORCHRUN[:-1], "3"], "trainer_job.py", tmp_path, "elsewhere", ["signsgd"])
-    refusals = [line for line in log.splitlines() if line.startswith(("refused: ", "not refused"))]
-    assert len(refusals) == 3 and all("world_size: saved 2, now 3" in line and "elastic=True" in line
-                                      for line in refusals), log[-3000:]
+    _launch([*TORCHRUN[:-1], "3"], "trainer_job.py", tmp_path, "elsewhere", ["signsgd"])
+    for (other_world,) in _refusals(tmp_path, "elsewhere", 3, cases=1):
+        assert other_world.startswith("refused: ") and "world_size: saved 2, now 3" in other_world and \
+            "elastic=True" in other_world, other_world
     assert (tmp_path / "signsgd-elastic" / "checkpoint-12" / "gradcomp_state_rank2.pt").exists()
 
     log = _launch([sys.executable], "trainer_job.py", tmp_path, "single", ["topk"], expect_ok=False)
