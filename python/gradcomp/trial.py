@@ -14,7 +14,8 @@ measured fastest:
     the verdict, at the first step after the trial: every rank's median, fastest and slowest step per candidate,
         combined by one allreduce (MAX: the slowest rank sets the pace), then the fastest median; but plain stands
         where it is within PLAIN_PREFERENCE of that, and also unless every counted step of the fastest (on any
-        rank) ran quicker than plain's fastest (the slowest rank's). A policy that promises never to be slower
+        rank) ran quicker than plain's fastest (the slowest rank's). Plain is whichever candidate sends every
+        bucket plain: the model's choice itself, where that is plain for every bucket. A policy that promises never to be slower
         than plain DDP takes compression only where the measured gain is beyond the steps' scatter; where steps
         scatter by 25%, as on a shared CPU, that keeps plain in close calls.
 Every step of the trial is a real training step: a switch hands the error-feedback residuals over as any decision
@@ -98,6 +99,11 @@ def max_over_ranks(seconds: float | None, group, device: torch.device) -> float 
     return None if missing else value
 
 
+def all_plain(trial: dict) -> str | None:
+    """The name of the candidate that sends every bucket plain (plan lists it once), None where none does."""
+    return next((name for name in trial["names"] if set(trial["choices"][name]) == {"plain"}), None)
+
+
 def verdict(trial: dict, step_seconds: dict[int, float], group, device: torch.device) -> dict:
     """The trial with its measured step times and the chosen candidate, the same on every rank. step_seconds: this
     rank's measured steps (step -> seconds); one allreduce (MAX) combines the ranks' medians, fastest and slowest
@@ -120,9 +126,10 @@ def verdict(trial: dict, step_seconds: dict[int, float], group, device: torch.de
         chosen = MODEL if MODEL in names else names[0]
     else:
         chosen = min(finite, key=finite.get)  # the first of equals, in the shortlist's order
-        if "plain" in finite and (finite["plain"] <= (1 + PLAIN_PREFERENCE) * finite[chosen]
-                                  or slowest_of[chosen] >= fastest_of["plain"]):
-            chosen = "plain"
+        plain = all_plain(trial)  # "model" where the model's own choice is plain for every bucket
+        if plain in finite and (finite[plain] <= (1 + PLAIN_PREFERENCE) * finite[chosen]
+                                or slowest_of[chosen] >= fastest_of[plain]):
+            chosen = plain
     return {**trial, "measured_step_s": {k: (v if math.isfinite(v) else None) for k, v in measured.items()},
             "step_range_s": {k: [fastest_of[k], slowest_of[k]] for k in names
                              if math.isfinite(fastest_of[k]) and math.isfinite(slowest_of[k])},

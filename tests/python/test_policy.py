@@ -267,6 +267,27 @@ def test_the_verdict_keeps_plain_unless_the_gain_is_beyond_the_steps_scatter(mon
         policy_trial.describe(beyond))
 
 
+def test_the_verdict_guards_plain_where_the_models_own_choice_is_plain_for_every_bucket(monkeypatch):
+    """The shortlist lists all-plain once, as "model" where that is the model's choice; the rule still holds."""
+    monkeypatch.setattr(policy_trial.dist, "get_world_size", lambda group=None: 1)
+    decision = {"step": 0, "options": ["plain", "allgather"], "buckets": [{"choice": "plain"}] * 2,
+                "predicted_exposed_s": {"policy": 0.2, "plain": 0.2, "allgather": 0.25}}
+    trial = policy_trial.plan(decision, 4, plain_step_s=None)
+    assert trial["names"] == ["model", "allgather"] and policy_trial.all_plain(trial) == "model"
+
+    def verdict(allgather_steps):
+        counted = [s for s in range(policy_trial.length(trial)) if policy_trial.counted(trial, s)]
+        queues = {"model": [3.0, 3.2, 3.1, 3.3], "allgather": list(allgather_steps)}
+        seconds = {s: queues[policy_trial.candidate_at(trial, s)].pop(0) for s in counted}
+        return policy_trial.verdict(trial, seconds, None, torch.device("cpu"))
+
+    assert verdict([2.8, 3.4, 2.7, 2.9])["chosen"] == "model"  # median 2.85 against 3.15, one step at 3.4
+    assert verdict([3.1, 3.1, 3.1, 3.1])["chosen"] == "model"  # under 2% quicker
+    assert verdict([2.0, 2.9, 2.1, 2.2])["chosen"] == "allgather"  # beyond the scatter
+    no_plain = {**trial, "names": ["allgather"], "choices": {"allgather": ["allgather"] * 2}}
+    assert policy_trial.all_plain(no_plain) is None
+
+
 def test_the_trial_runs_each_candidate_in_turn_and_every_rank_keeps_the_fastest_for_the_slowest_rank():
     """Each step of the trial goes under its candidate; the verdict takes each candidate's median per rank, the
     largest over the ranks, then the fastest: the same on every rank, though rank 0 alone would keep plain; after it,
