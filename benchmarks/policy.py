@@ -5,18 +5,22 @@ cost model's predictions next to what was measured.
     sudo python benchmarks/policy.py --quick    # 2 ranks, 1 Gbit/s and unshaped, the MLP, signsgd and topk
 
 Every rank runs in a network namespace of its own (as scaling.py), its eth0 shaped both ways by a tc token bucket.
-Per world size and link, one process group runs every configuration of every model, ROUNDS times interleaved
-(round r runs each configuration for --steps timed steps after its warm-up), so that drift of this machine meets
-them all alike. A configuration: plain DDP; the no-communication limit (a hook that returns the local gradient);
-per codec, each option fixed for every bucket (the codec under each scheme it can take, min_bucket_ratio=0) and
-policy="time" (timed after its trial, gradcomp.trial, which the policy's rows name: "model" where the cost model's
-choice stood, else the option the trial kept for every bucket). A step's time is the slowest rank's (a barrier
-before each step); a round's figure is the median over
-its steps; a configuration's, the median over the rounds, with the spread (max - min) / median of the rounds beside
-it. Ratios are to the same link's limit. The cost model's prediction: the policy's decision predicts each option's
-exposed communication per step (beyond backward without it); measured, the window from the last bucket's hook call
-to the completion of the last bucket's future, read around the hook (plain DDP runs as torch's allreduce hook for
-this), the slowest rank's, median over steps and rounds; beside it, the step minus the limit's step.
+Per world size and link, one process group runs every configuration of every model, ROUNDS times. A round builds
+every configuration of a model afresh and warms each up (the policy's decision and trial included), then times
+--steps steps of each, one step of every configuration in turn (in an order shuffled anew for each step, the
+same on every rank), so that this machine's drift (a core's speed moves by tens of percent within seconds) meets
+them all alike. A configuration: plain DDP; the no-communication
+limit (a hook that returns the local gradient); per codec, each option fixed for every bucket (the codec under
+each scheme it can take, min_bucket_ratio=0) and policy="time" (timed after its trial, gradcomp.trial, which the
+policy's rows name: "model" where the cost model's choice stood, else the option the trial kept for every
+bucket). A step's time is the slowest rank's (a barrier before each step); a round's figure is the median over
+its steps; a configuration's, the median over the rounds. Ratios are to the same link's limit. Beside each row,
+the spread (max - min) / median over the rounds of the round's ratio to that round's limit (the figure the
+tables compare), and the same of its milliseconds ("of ms", which carries the machine's drift).
+The cost model's prediction: the policy's decision predicts each option's exposed communication per step (beyond
+backward without it); measured, the window from the last bucket's hook call to the completion of the last bucket's
+future, read around the hook (plain DDP runs as torch's allreduce hook for this), the slowest rank's, median over
+steps and rounds; beside it, the step minus the limit's step.
 With several ranks on 2 cores the ranks' compute is shared, so times compare only within one world size and link.
 Results: policy[_quick].{json,csv,png} in --out.
 """
@@ -27,6 +31,7 @@ import argparse
 import gc
 import json
 import os
+import random
 import statistics
 import sys
 import time
@@ -94,48 +99,56 @@ class ExposedWindow:
         return seconds
 
 
-def measure(rank: int, model_name: str, spec: str | None, options: dict, args) -> dict:
-    """One configuration on this rank: its step times and exposed communication (after the warm-up) and, under the
-    policy, its decision. Plain DDP runs as torch's allreduce hook, so that its window can be read."""
-    build, batch = MODELS[model_name]
-    torch.manual_seed(0)
-    model = build()
-    ddp = DistributedDataParallel(model)
-    state, window = None, ExposedWindow()
-    if options.get("limit"):
-        ddp.register_comm_hook(None, window.around(no_communication))
-    elif spec is None:
-        ddp.register_comm_hook(None, window.around(default_hooks.allreduce_hook))
-    else:
-        state = gradcomp.CompressionState(spec, start_iter=START_ITER, model=model, **options)
-        ddp.register_comm_hook(state, window.around(gradcomp.hook))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    x, y = batch(torch.Generator().manual_seed(rank))
+class Configuration:
+    """One configuration on this rank: its model under DDP with its hook, warmed up (and, under the policy, through
+    its trial) before any is timed; then one timed step at a time, interleaved with the other configurations' (so
+    that this machine's drift, which moves a whole core's speed within seconds, meets them all alike). Plain DDP
+    runs as torch's allreduce hook, so that its window can be read."""
 
-    def step():
-        loss = nn.functional.cross_entropy(ddp(x), y)
-        optimizer.zero_grad(set_to_none=True)
+    def __init__(self, rank: int, model_name: str, spec: str | None, options: dict):
+        build, batch = MODELS[model_name]
+        torch.manual_seed(0)
+        self.model = build()
+        self.ddp = DistributedDataParallel(self.model)
+        self.state, self.window = None, ExposedWindow()
+        if options.get("limit"):
+            self.ddp.register_comm_hook(None, self.window.around(no_communication))
+        elif spec is None:
+            self.ddp.register_comm_hook(None, self.window.around(default_hooks.allreduce_hook))
+        else:
+            self.state = gradcomp.CompressionState(spec, start_iter=START_ITER, model=self.model, **options)
+            self.ddp.register_comm_hook(self.state, self.window.around(gradcomp.hook))
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.01)
+        self.x, self.y = batch(torch.Generator().manual_seed(rank))
+        self.times, self.exposed = [], []
+
+    def step(self) -> None:
+        loss = nn.functional.cross_entropy(self.ddp(self.x), self.y)
+        self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        optimizer.step()
+        self.optimizer.step()
 
-    for _ in range(args.warmup):  # DDP's bucket rebuild, start_iter, the decision, the plans laid out
-        step()
-        window.take()
-    while state is not None and state.deciding:  # the policy's trial: its steps are not timed here
-        step()
-        window.take()
-    times, exposed = [], []
-    for _ in range(args.steps):
+    def warm_up(self, steps: int) -> None:
+        for _ in range(steps):  # DDP's bucket rebuild, start_iter, the decision, the plans laid out
+            self.step()
+            self.window.take()
+        while self.state is not None and self.state.deciding:  # the policy's trial: its steps are not timed here
+            self.step()
+            self.window.take()
+
+    def timed_step(self) -> None:
         dist.barrier()
         started = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - started)
-        exposed.append(window.take())
-    result = {"times": times, "exposed": exposed}
-    if state is not None:
-        result["schemes"] = state.stats()["schemes"]
-        result["decision"] = state.stats()["decision"]
-    return result
+        self.step()
+        self.times.append(time.perf_counter() - started)
+        self.exposed.append(self.window.take())
+
+    def result(self) -> dict:
+        result = {"times": self.times, "exposed": self.exposed}
+        if self.state is not None:
+            result["schemes"] = self.state.stats()["schemes"]
+            result["decision"] = self.state.stats()["decision"]
+        return result
 
 
 def predicted_for_policy(decision: dict) -> float:
@@ -153,9 +166,17 @@ def rank_main(args) -> None:
         runs = []
         for round_ in range(args.rounds):
             for model_name in args.models:
-                for label, spec, options in configurations(args.codecs):
-                    mine = measure(args.rank, model_name, spec, options, args)
-                    gc.collect()  # the last configuration's model and state, before the next is built
+                labelled = [(label, spec, Configuration(args.rank, model_name, spec, options))
+                            for label, spec, options in configurations(args.codecs)]
+                for _, _, configuration in labelled:
+                    configuration.warm_up(args.warmup)
+                for step in range(args.steps):  # each step in another order, the same on every rank: a step
+                    order = [configuration for _, _, configuration in labelled]  # after a heavy one may run slower
+                    random.Random(f"{round_} {model_name} {step}").shuffle(order)
+                    for configuration in order:
+                        configuration.timed_step()
+                for label, spec, configuration in labelled:
+                    mine = configuration.result()
                     everyone = [None] * args.world
                     dist.all_gather_object(everyone, mine)
                     runs.append({"round": round_, "model": model_name, "config": label, "spec": spec,
@@ -165,6 +186,8 @@ def rank_main(args) -> None:
                     if args.rank == 0:
                         print(f"  round {round_} {model_name:9s} {label:32s} "
                               f"{1e3 * statistics.median(runs[-1]['step_s']):9.1f} ms", flush=True)
+                del labelled
+                gc.collect()  # this round's models and states, before the next are built
         if args.rank == 0:
             with open(args.rank_out, "w") as f:
                 json.dump(runs, f)
@@ -193,7 +216,8 @@ def table_rows(runs: dict, codecs: list[str]) -> list[dict]:
             for e in mine:
                 medians.setdefault(e["config"], []).append(statistics.median(e["step_s"]))
                 windows.setdefault(e["config"], []).append(statistics.median(e["exposed_s"]))
-            limit = statistics.median(medians["no communication (limit)"])
+            limits = medians["no communication (limit)"]
+            limit = statistics.median(limits)
             plain = statistics.median(medians["plain DDP"])
             for spec in codecs:
                 policy = [e for e in mine if e["config"] == f"{spec} policy"]
@@ -204,12 +228,13 @@ def table_rows(runs: dict, codecs: list[str]) -> list[dict]:
                 for label in ["plain DDP", *fixed_labels, f"{spec} policy"]:
                     rounds = medians[label]
                     median = statistics.median(rounds)
+                    to_limit = [r / limit_r for r, limit_r in zip(rounds, limits)]  # both from the same round
                     option = ("plain" if label == "plain DDP" else "policy" if label.endswith("policy")
                               else label.rsplit(" ", 1)[1])
                     predicted = [p[option] for p in predictions if option in p]
                     row = {"world": world, "link": link, "model": model_name, "codec": spec, "config": label,
                            "median_ms": 1e3 * median, "rounds_ms": [1e3 * r for r in rounds],
-                           "spread": (max(rounds) - min(rounds)) / median, "vs_limit": median / limit,
+                           "spread": spread(to_limit), "spread_ms": spread(rounds), "limit_spread_ms": spread(limits), "vs_limit": median / limit,
                            "vs_plain": median / plain, "vs_fastest_fixed": median / fastest_fixed,
                            "measured_exposed_ms": 1e3 * statistics.median(windows[label]),
                            "step_minus_limit_ms": 1e3 * (median - limit),
@@ -219,6 +244,10 @@ def table_rows(runs: dict, codecs: list[str]) -> list[dict]:
                            if label.endswith("policy") else None}
                     rows.append(row)
     return rows
+
+
+def spread(values: list[float]) -> float:
+    return (max(values) - min(values)) / statistics.median(values)
 
 
 def summary(rows: list[dict]) -> dict:
@@ -292,12 +321,12 @@ def parse_args(argv=None):
 
 
 def report(rows: list[dict], stem: str, meta: dict) -> None:
-    print(f"\n{'ranks':>5} {'link':>8} {'model':>8} {'config':32} {'ms':>9} {'spread':>7} {'x limit':>8} "
+    print(f"\n{'ranks':>5} {'link':>8} {'model':>8} {'config':32} {'ms':>9} {'spread':>7} {'of ms':>6} {'x limit':>8} "
           f"{'x plain':>8} {'x best':>7} {'pred ms':>8} {'meas ms':>8}")
     for r in rows:
         predicted = f"{r['predicted_exposed_ms']:8.1f}" if r["predicted_exposed_ms"] is not None else f"{'-':>8}"
         print(f"{r['world']:5d} {r['link']:>8} {r['model']:>8} {r['config']:32} {r['median_ms']:9.1f} "
-              f"{100 * r['spread']:6.1f}% {r['vs_limit']:8.2f} {r['vs_plain']:8.2f} {r['vs_fastest_fixed']:7.2f} "
+              f"{100 * r['spread']:6.1f}% {100 * r.get('spread_ms', r['spread']):5.0f}% {r['vs_limit']:8.2f} {r['vs_plain']:8.2f} {r['vs_fastest_fixed']:7.2f} "
               f"{predicted} {r['measured_exposed_ms']:8.1f}" + (f"  {r['choices']} trial {r['trial']}"
                                                                  if r["choices"] else ""))
     totals = summary(rows)
