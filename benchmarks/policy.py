@@ -9,14 +9,14 @@ Per world size and link, one process group runs every configuration of every mod
 every configuration of a model afresh and warms each up (the policy's decision and trial included), then times
 --steps steps of each, one step of every configuration in turn (in an order shuffled anew for each step, the
 same on every rank), so that this machine's drift (a core's speed moves by tens of percent within seconds) meets
-them all alike. A configuration: plain DDP; the no-communication
-limit (a hook that returns the local gradient); per codec, each option fixed for every bucket (the codec under
-each scheme it can take, min_bucket_ratio=0) and policy="time" (timed after its trial, gradcomp.trial, which the
-policy's rows name: "model" where the cost model's choice stood, else the option the trial kept for every
-bucket). A step's time is the slowest rank's (a barrier before each step); a round's figure is the median over
-its steps; a configuration's, the median over the rounds. Ratios are to the same link's limit. Beside each row,
-the spread (max - min) / median over the rounds of the round's ratio to that round's limit (the figure the
-tables compare), and the same of its milliseconds ("of ms", which carries the machine's drift).
+them all alike. A configuration: plain DDP; the no-communication limit (a hook that returns the local gradient);
+per codec, each option fixed for every bucket (the codec under each scheme it can take, min_bucket_ratio=0) and
+policy="time" (timed after its trial, gradcomp.trial, which the policy's rows name: "model" where the cost model's
+choice stood, else the option the trial kept for every bucket). A step's time is the slowest rank's (a barrier
+before each step); a round's figure is the median over its steps; a configuration's, the median over the rounds.
+Ratios are to the same link's limit. Beside each row, the spread (max - min) / median over the rounds of the
+round's ratio to that round's limit (the figure the tables compare), and the same of its milliseconds ("of ms",
+which carries the machine's drift).
 The cost model's prediction: the policy's decision predicts each option's exposed communication per step (beyond
 backward without it); measured, the window from the last bucket's hook call to the completion of the last bucket's
 future, read around the hook (plain DDP runs as torch's allreduce hook for this), the slowest rank's, median over
@@ -234,7 +234,8 @@ def table_rows(runs: dict, codecs: list[str]) -> list[dict]:
                     predicted = [p[option] for p in predictions if option in p]
                     row = {"world": world, "link": link, "model": model_name, "codec": spec, "config": label,
                            "median_ms": 1e3 * median, "rounds_ms": [1e3 * r for r in rounds],
-                           "spread": spread(to_limit), "spread_ms": spread(rounds), "limit_spread_ms": spread(limits), "vs_limit": median / limit,
+                           "spread": spread(to_limit), "spread_ms": spread(rounds),
+                           "limit_spread_ms": spread(limits), "vs_limit": median / limit,
                            "vs_plain": median / plain, "vs_fastest_fixed": median / fastest_fixed,
                            "measured_exposed_ms": 1e3 * statistics.median(windows[label]),
                            "step_minus_limit_ms": 1e3 * (median - limit),
@@ -326,7 +327,8 @@ def report(rows: list[dict], stem: str, meta: dict) -> None:
     for r in rows:
         predicted = f"{r['predicted_exposed_ms']:8.1f}" if r["predicted_exposed_ms"] is not None else f"{'-':>8}"
         print(f"{r['world']:5d} {r['link']:>8} {r['model']:>8} {r['config']:32} {r['median_ms']:9.1f} "
-              f"{100 * r['spread']:6.1f}% {100 * r.get('spread_ms', r['spread']):5.0f}% {r['vs_limit']:8.2f} {r['vs_plain']:8.2f} {r['vs_fastest_fixed']:7.2f} "
+              f"{100 * r['spread']:6.1f}% {100 * r.get('spread_ms', r['spread']):5.0f}% {r['vs_limit']:8.2f} "
+              f"{r['vs_plain']:8.2f} {r['vs_fastest_fixed']:7.2f} "
               f"{predicted} {r['measured_exposed_ms']:8.1f}" + (f"  {r['choices']} trial {r['trial']}"
                                                                  if r["choices"] else ""))
     totals = summary(rows)

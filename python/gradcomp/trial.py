@@ -15,9 +15,9 @@ measured fastest:
         combined by one allreduce (MAX: the slowest rank sets the pace), then the fastest median; but plain stands
         where it is within PLAIN_PREFERENCE of that, and also unless every counted step of the fastest (on any
         rank) ran quicker than plain's fastest (the slowest rank's). Plain is whichever candidate sends every
-        bucket plain: the model's choice itself, where that is plain for every bucket. A policy that promises never to be slower
-        than plain DDP takes compression only where the measured gain is beyond the steps' scatter; where steps
-        scatter by 25%, as on a shared CPU, that keeps plain in close calls.
+        bucket plain: the model's choice itself, where that is plain for every bucket. A policy that promises never
+        to be slower than plain DDP takes compression only where the measured gain is beyond the steps' scatter;
+        where steps scatter by 25%, as on a shared CPU, that keeps plain in close calls.
 Every step of the trial is a real training step: a switch hands the error-feedback residuals over as any decision
 does (nothing lost). The schedule is fixed at the decision, so a run resumed during the trial sends each step as the
 uninterrupted one did; its verdict counts only the steps it measured itself, and may differ.
