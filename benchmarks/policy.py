@@ -158,6 +158,34 @@ def predicted_for_policy(decision: dict) -> float:
     return decision["predicted_exposed_s"]["policy" if chosen in (None, "model") else chosen]
 
 
+def time_round(args, round_: int, model_name: str) -> list[dict]:
+    """One round of one model: every configuration built and warmed up, then its timed steps, one step of each in
+    turn; the rows of every rank's measurements (on rank 0 as on the others). The configurations are freed on
+    return, before the next round builds its own."""
+    labelled = [(label, spec, Configuration(args.rank, model_name, spec, options))
+                for label, spec, options in configurations(args.codecs)]
+    for _, _, configuration in labelled:
+        configuration.warm_up(args.warmup)
+    for step in range(args.steps):  # each step in another order, the same on every rank: a step after a heavy
+        order = [configuration for _, _, configuration in labelled]  # configuration may run slower
+        random.Random(f"{round_} {model_name} {step}").shuffle(order)
+        for configuration in order:
+            configuration.timed_step()
+    runs = []
+    for label, spec, configuration in labelled:
+        mine = configuration.result()
+        everyone = [None] * args.world
+        dist.all_gather_object(everyone, mine)
+        runs.append({"round": round_, "model": model_name, "config": label, "spec": spec,
+                     "step_s": [max(r["times"][i] for r in everyone) for i in range(args.steps)],
+                     "exposed_s": [max(r["exposed"][i] for r in everyone) for i in range(args.steps)],
+                     "schemes": mine.get("schemes"), "decision": mine.get("decision")})
+        if args.rank == 0:
+            print(f"  round {round_} {model_name:9s} {label:32s} "
+                  f"{1e3 * statistics.median(runs[-1]['step_s']):9.1f} ms", flush=True)
+    return runs
+
+
 def rank_main(args) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://{SUBNET}.1:{args.port}", rank=args.rank,
@@ -166,28 +194,8 @@ def rank_main(args) -> None:
         runs = []
         for round_ in range(args.rounds):
             for model_name in args.models:
-                labelled = [(label, spec, Configuration(args.rank, model_name, spec, options))
-                            for label, spec, options in configurations(args.codecs)]
-                for _, _, configuration in labelled:
-                    configuration.warm_up(args.warmup)
-                for step in range(args.steps):  # each step in another order, the same on every rank: a step
-                    order = [configuration for _, _, configuration in labelled]  # after a heavy one may run slower
-                    random.Random(f"{round_} {model_name} {step}").shuffle(order)
-                    for configuration in order:
-                        configuration.timed_step()
-                for label, spec, configuration in labelled:
-                    mine = configuration.result()
-                    everyone = [None] * args.world
-                    dist.all_gather_object(everyone, mine)
-                    runs.append({"round": round_, "model": model_name, "config": label, "spec": spec,
-                                 "step_s": [max(r["times"][i] for r in everyone) for i in range(args.steps)],
-                                 "exposed_s": [max(r["exposed"][i] for r in everyone) for i in range(args.steps)],
-                                 "schemes": mine.get("schemes"), "decision": mine.get("decision")})
-                    if args.rank == 0:
-                        print(f"  round {round_} {model_name:9s} {label:32s} "
-                              f"{1e3 * statistics.median(runs[-1]['step_s']):9.1f} ms", flush=True)
-                del labelled
-                gc.collect()  # this round's models and states, before the next are built
+                runs += time_round(args, round_, model_name)
+                gc.collect()  # that round's models and states, before the next are built
         if args.rank == 0:
             with open(args.rank_out, "w") as f:
                 json.dump(runs, f)
@@ -249,6 +257,14 @@ def table_rows(runs: dict, codecs: list[str]) -> list[dict]:
 
 def spread(values: list[float]) -> float:
     return (max(values) - min(values)) / statistics.median(values)
+
+
+def spread_columns(row: dict) -> str:
+    """The ratio's spread and that of the milliseconds; rows from before the interleaving (--replot of an older
+    JSON) hold only the latter, under "spread"."""
+    if "spread_ms" not in row:
+        return f"{'-':>7} {100 * row['spread']:5.0f}%"
+    return f"{100 * row['spread']:6.1f}% {100 * row['spread_ms']:5.0f}%"
 
 
 def summary(rows: list[dict]) -> dict:
@@ -327,7 +343,7 @@ def report(rows: list[dict], stem: str, meta: dict) -> None:
     for r in rows:
         predicted = f"{r['predicted_exposed_ms']:8.1f}" if r["predicted_exposed_ms"] is not None else f"{'-':>8}"
         print(f"{r['world']:5d} {r['link']:>8} {r['model']:>8} {r['config']:32} {r['median_ms']:9.1f} "
-              f"{100 * r['spread']:6.1f}% {100 * r.get('spread_ms', r['spread']):5.0f}% {r['vs_limit']:8.2f} "
+              f"{spread_columns(r)} {r['vs_limit']:8.2f} "
               f"{r['vs_plain']:8.2f} {r['vs_fastest_fixed']:7.2f} "
               f"{predicted} {r['measured_exposed_ms']:8.1f}" + (f"  {r['choices']} trial {r['trial']}"
                                                                  if r["choices"] else ""))
