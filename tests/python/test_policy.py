@@ -242,6 +242,15 @@ def test_the_trial_shortlist_drops_what_is_predicted_far_slower_and_schedules_th
     assert policy_trial.plan(plain_chosen, 4, plain_step_s=0.5) is None  # only plain is left: nothing to try
 
 
+def _scripted_verdict(trial: dict, steps: dict[str, list[float]]) -> dict:
+    """The verdict of one rank whose counted trial steps took, per candidate, the scripted seconds in order."""
+    counted = [s for s in range(policy_trial.length(trial)) if policy_trial.counted(trial, s)]
+    queues = {name: list(seconds) for name, seconds in steps.items()}
+    seconds = {s: queues[policy_trial.candidate_at(trial, s)].pop(0) for s in counted}
+    assert not any(queues.values())  # every scripted time was used: 2 rounds of 2 counted steps each
+    return policy_trial.verdict(trial, seconds, None, torch.device("cpu"))
+
+
 def test_the_verdict_keeps_plain_unless_the_gain_is_beyond_the_steps_scatter(monkeypatch):
     """Compression replaces plain only where every counted step of the fastest candidate beat plain's fastest."""
     monkeypatch.setattr(policy_trial.dist, "get_world_size", lambda group=None: 1)
@@ -251,11 +260,7 @@ def test_the_verdict_keeps_plain_unless_the_gain_is_beyond_the_steps_scatter(mon
     assert trial["names"] == ["model", "plain"]  # the model's choice is allgather for the one bucket
 
     def verdict(model_steps, plain_steps):
-        counted = [s for s in range(policy_trial.length(trial)) if policy_trial.counted(trial, s)]
-        queues = {"model": list(model_steps), "plain": list(plain_steps)}
-        seconds = {s: queues[policy_trial.candidate_at(trial, s)].pop(0) for s in counted}
-        assert not any(queues.values())  # every scripted time was used: 2 rounds of 2 counted steps each
-        return policy_trial.verdict(trial, seconds, None, torch.device("cpu"))
+        return _scripted_verdict(trial, {"model": model_steps, "plain": plain_steps})
 
     beyond = verdict([2.0, 2.9, 2.1, 2.2], [3.0, 3.2, 3.1, 3.3])
     assert beyond["chosen"] == "model" and beyond["step_range_s"] == {"model": [2.0, 2.9], "plain": [3.0, 3.3]}
@@ -276,10 +281,7 @@ def test_the_verdict_guards_plain_where_the_models_own_choice_is_plain_for_every
     assert trial["names"] == ["model", "allgather"] and policy_trial.all_plain(trial) == "model"
 
     def verdict(allgather_steps):
-        counted = [s for s in range(policy_trial.length(trial)) if policy_trial.counted(trial, s)]
-        queues = {"model": [3.0, 3.2, 3.1, 3.3], "allgather": list(allgather_steps)}
-        seconds = {s: queues[policy_trial.candidate_at(trial, s)].pop(0) for s in counted}
-        return policy_trial.verdict(trial, seconds, None, torch.device("cpu"))
+        return _scripted_verdict(trial, {"model": [3.0, 3.2, 3.1, 3.3], "allgather": allgather_steps})
 
     assert verdict([2.8, 3.4, 2.7, 2.9])["chosen"] == "model"  # median 2.85 against 3.15, one step at 3.4
     assert verdict([3.1, 3.1, 3.1, 3.1])["chosen"] == "model"  # under 2% quicker
