@@ -146,8 +146,8 @@ class Configuration:
     def result(self) -> dict:
         result = {"times": self.times, "exposed": self.exposed}
         if self.state is not None:
-            result["schemes"] = self.state.stats()["schemes"]
-            result["decision"] = self.state.stats()["decision"]
+            stats = self.state.stats()
+            result["schemes"], result["decision"] = stats["schemes"], stats["decision"]
         return result
 
 
