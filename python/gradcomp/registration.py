@@ -76,8 +76,9 @@ def register(ddp_model: torch.nn.Module, spec: "str | CompressionState" = "topk"
         state.explain() shows the decision). Never what it predicts slower than plain DDP.
     remeasure_every: under policy="time", measure the links and kernels again and re-decide every N steps (0: never).
     trial_steps: under policy="time", after the model's decision, the steps measured per candidate of its shortlist
-        (the model's choice and each option for every bucket, unless predicted far slower), run in 2 rounds; the
-        fastest measured stands (gradcomp.trial). 0: the model's choice stands. Default 4 under policy="time".
+        (the model's choice and each option for every bucket, unless predicted far slower), one per round, each
+        compared with plain's step of its round; the fastest stands where its gain held every round (gradcomp.trial).
+        0: the model's choice stands; else at least 2. Default 4 under policy="time".
     elastic: a state of every rank (gradcomp.every_rank) saved on another number of ranks loads: each rank takes the
         saved residuals' average, which the new ranks' average then equals (gradcomp.elastic says how each scheme's
         state is spread). Without it such a state is refused.

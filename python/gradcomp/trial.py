@@ -7,32 +7,37 @@ measured fastest:
     the shortlist: the model's choice and each option applied to every bucket (plain included), without those whose
         predicted step (the warm-up's measured plain step, less plain's predicted exposed communication, plus the
         candidate's) is over PRUNE x the best predicted one: plain at 100 Mbit/s is not worth a trial;
-    the schedule: ROUNDS rounds, each running every candidate for one block of trial_steps / ROUNDS + 1 steps, in
-        the shortlist's order; the first step of a block (the switch, new plans laid out) is not counted;
+    the schedule: trial_steps rounds; each runs every candidate for one block of BLOCK steps, in an order shuffled
+        per round (the same on every rank); the first step of a block (the switch, new plans laid out) is not
+        counted. A core's speed drifts by tens of percent within seconds on a shared machine, so candidates are
+        compared round by round, each with the others' steps a few steps away, never one candidate's block of steps
+        against another's taken seconds later; the shuffle keeps a candidate from always following the same other;
     a step's time: from its first bucket's hook call to the next step's (forward, backward, communication and the
         optimizer all in it), host seconds on the CPU, CUDA events on a GPU (read at the end of the trial: one sync);
-    the verdict, at the first step after the trial: every rank's median, fastest and slowest step per candidate,
-        combined by one allreduce (MAX: the slowest rank sets the pace), then the fastest median; but plain stands
-        where it is within PLAIN_PREFERENCE of that, and also unless every counted step of the fastest (on any
-        rank) ran quicker than plain's fastest (the slowest rank's). Plain is whichever candidate sends every
-        bucket plain: the model's choice itself, where that is plain for every bucket. A policy that promises never
-        to be slower than plain DDP takes compression only where the measured gain is beyond the steps' scatter;
-        where steps scatter by 25%, as on a shared CPU, that keeps plain in close calls.
+    the verdict, at the first step after the trial: every rank's time per candidate and round, combined by one
+        allreduce (MAX: the slowest rank sets the pace); each candidate's time as a ratio to plain's in the same
+        round, and the candidate with the smallest median ratio; but plain stands unless that candidate was quicker
+        than plain in every round, and by more than PLAIN_PREFERENCE in the median. Plain is whichever candidate
+        sends every bucket plain: the model's choice itself, where that is plain for every bucket (where the
+        shortlist has no plain, the ratios are to the model's choice). A policy that promises never to be slower
+        than plain DDP takes compression only where the measured gain holds in every round.
 Every step of the trial is a real training step: a switch hands the error-feedback residuals over as any decision
 does (nothing lost). The schedule is fixed at the decision, so a run resumed during the trial sends each step as the
-uninterrupted one did; its verdict counts only the steps it measured itself, and may differ.
+uninterrupted one did; its verdict counts only the rounds it measured whole itself, and may differ.
 """
 
 from __future__ import annotations
 
 import math
+import random
 import statistics
 
 import torch
 import torch.distributed as dist
 
-ROUNDS = 2
-DEFAULT_STEPS = 4  # measured steps per candidate under policy="time" unless trial_steps says otherwise
+MIN_ROUNDS = 2
+BLOCK = 2  # steps per candidate and round: the switch, then one measured step
+DEFAULT_STEPS = 4  # measured steps (rounds) per candidate under policy="time" unless trial_steps says otherwise
 PRUNE = 1.5
 PLAIN_PREFERENCE = 0.02
 MODEL = "model"  # the candidate that is the cost model's own choice
@@ -40,9 +45,10 @@ MODEL = "model"  # the candidate that is the cost model's own choice
 
 def check_trial_steps(trial_steps, policy: str) -> int:
     if isinstance(trial_steps, bool) or not isinstance(trial_steps, int) or trial_steps < 0 or \
-            trial_steps % ROUNDS:
-        raise ValueError(f"gradcomp: trial_steps={trial_steps!r} must be 0 (the cost model's choice stands) or a "
-                         f"positive multiple of {ROUNDS} (the measured steps per candidate, in {ROUNDS} rounds)")
+            0 < trial_steps < MIN_ROUNDS:
+        raise ValueError(f"gradcomp: trial_steps={trial_steps!r} must be 0 (the cost model's choice stands) or an "
+                         f"integer of at least {MIN_ROUNDS} (the measured steps per candidate, one per round: the "
+                         f"verdict compares candidates round by round)")
     if trial_steps and policy != "time":
         raise ValueError(f"gradcomp: trial_steps={trial_steps} tries policy='time''s shortlist; this state has "
                          f"policy={policy!r}")
@@ -67,21 +73,36 @@ def plan(decision: dict, trial_steps: int, plain_step_s: float | None) -> dict |
         candidates = {name: c for name, c in candidates.items() if step[name] <= PRUNE * best}
     if len(candidates) < 2:
         return None
-    return {"start": decision["step"], "block": trial_steps // ROUNDS + 1, "rounds": ROUNDS,
-            "names": list(candidates), "choices": candidates, "plain_step_s": plain_step_s,
-            "measured_step_s": None, "chosen": None}
+    names = list(candidates)
+    order = []
+    for round_ in range(trial_steps):
+        shuffled = list(names)
+        random.Random(f"gradcomp trial {decision['step']} {round_}").shuffle(shuffled)  # alike on every rank
+        order.append(shuffled)
+    return {"start": decision["step"], "block": BLOCK, "rounds": trial_steps, "names": names, "order": order,
+            "choices": candidates, "plain_step_s": plain_step_s, "measured_step_s": None, "round_step_s": None,
+            "chosen": None}
 
 
 def length(trial: dict) -> int:
     return len(trial["names"]) * trial["block"] * trial["rounds"]
 
 
-def candidate_at(trial: dict, step: int) -> str | None:
-    """The candidate that sends step `step`, None outside the trial."""
+def round_at(trial: dict, step: int) -> int | None:
+    """The round that step `step` belongs to, None outside the trial."""
     offset = step - trial["start"]
     if not 0 <= offset < length(trial):
         return None
-    return trial["names"][(offset // trial["block"]) % len(trial["names"])]
+    return offset // (trial["block"] * len(trial["names"]))
+
+
+def candidate_at(trial: dict, step: int) -> str | None:
+    """The candidate that sends step `step`, None outside the trial."""
+    round_ = round_at(trial, step)
+    if round_ is None:
+        return None
+    order = trial["order"][round_] if "order" in trial else trial["names"]  # a trial planned before the shuffle
+    return order[(step - trial["start"]) // trial["block"] % len(order)]
 
 
 def counted(trial: dict, step: int) -> bool:
@@ -106,33 +127,32 @@ def all_plain(trial: dict) -> str | None:
 
 def verdict(trial: dict, step_seconds: dict[int, float], group, device: torch.device) -> dict:
     """The trial with its measured step times and the chosen candidate, the same on every rank. step_seconds: this
-    rank's measured steps (step -> seconds); one allreduce (MAX) combines the ranks' medians, fastest and slowest
-    steps."""
-    names = trial["names"]
-    medians, fastest, slowest = [], [], []
-    for name in names:
-        times = [s for step, s in step_seconds.items() if counted(trial, step) and candidate_at(trial, step) == name]
-        medians.append(statistics.median(times) if times else math.inf)
-        fastest.append(min(times) if times else math.inf)
-        slowest.append(max(times) if times else math.inf)
-    tensor = torch.tensor(medians + fastest + slowest, dtype=torch.float64, device=device)
+    rank's measured steps (step -> seconds); one allreduce (MAX) combines the ranks' times per candidate and round."""
+    names, rounds = trial["names"], trial["rounds"]
+    steps: dict[tuple[str, int], list[float]] = {(name, r): [] for name in names for r in range(rounds)}
+    for step, seconds in step_seconds.items():
+        if counted(trial, step):
+            steps[candidate_at(trial, step), round_at(trial, step)].append(seconds)
+    times = [statistics.median(steps[name, r]) if steps[name, r] else math.inf for name in names for r in range(rounds)]
+    tensor = torch.tensor(times, dtype=torch.float64, device=device)
     if dist.get_world_size(group) > 1:
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)  # a round missing on any rank is missing
     values = tensor.cpu().tolist()
-    count = len(names)
-    measured, fastest_of, slowest_of = (dict(zip(names, values[j * count:(j + 1) * count])) for j in range(3))
-    finite = {name: s for name, s in measured.items() if math.isfinite(s)}
-    if not finite:  # no step measured on some rank (a run resumed at the trial's end): the model's choice stands
+    per_round = {name: values[i * rounds:(i + 1) * rounds] for i, name in enumerate(names)}
+    whole = [r for r in range(rounds) if all(math.isfinite(per_round[name][r]) for name in names)]
+    plain = all_plain(trial)  # "model" where the model's own choice is plain for every bucket
+    if not whole:  # no round measured whole on every rank (a run resumed late in the trial): the model's choice
         chosen = MODEL if MODEL in names else names[0]
     else:
-        chosen = min(finite, key=finite.get)  # the first of equals, in the shortlist's order
-        plain = all_plain(trial)  # "model" where the model's own choice is plain for every bucket
-        if plain in finite and (finite[plain] <= (1 + PLAIN_PREFERENCE) * finite[chosen]
-                                or slowest_of[chosen] >= fastest_of[plain]):
+        reference = plain or names[0]
+        ratios = {name: [per_round[name][r] / per_round[reference][r] for r in whole] for name in names}
+        chosen = min(names, key=lambda name: statistics.median(ratios[name]))  # the first of equals
+        if plain is not None and not (statistics.median(ratios[chosen]) < 1 - PLAIN_PREFERENCE and
+                                      max(ratios[chosen]) < 1):
             chosen = plain
-    return {**trial, "measured_step_s": {k: (v if math.isfinite(v) else None) for k, v in measured.items()},
-            "step_range_s": {k: [fastest_of[k], slowest_of[k]] for k in names
-                             if math.isfinite(fastest_of[k]) and math.isfinite(slowest_of[k])},
+    measured = {name: [s for s in per_round[name] if math.isfinite(s)] for name in names}
+    return {**trial, "measured_step_s": {name: statistics.median(s) if s else None for name, s in measured.items()},
+            "round_step_s": {name: [s if math.isfinite(s) else None for s in per_round[name]] for name in names},
             "chosen": chosen}
 
 
@@ -141,17 +161,17 @@ def describe(trial: dict | None) -> list[str]:
     if trial is None:
         return []
     names = ", ".join(f"{name} ({'/'.join(sorted(set(trial['choices'][name])))})" for name in trial["names"])
-    lines = [f"trial from step {trial['start']}, {trial['rounds']} rounds of {trial['block']} steps per candidate "
-             f"(the first of each uncounted): {names}"]
+    lines = [f"trial from step {trial['start']}, {trial['rounds']} rounds of {trial['block']} steps per candidate, "
+             f"in a shuffled order (the first of each block uncounted): {names}"]
     if trial["chosen"] is None:
         lines.append("trial under way: each bucket's choice above is that of this step's candidate")
-    else:
-        measured = ", ".join(f"{name} {'-' if s is None else f'{s * 1e3:.1f}'}"
-                             for name, s in trial["measured_step_s"].items())
-        lines.append(f"measured step (ms, median, slowest rank): {measured}; chosen: {trial['chosen']}")
-        ranges = ", ".join(f"{name} {low * 1e3:.1f}-{high * 1e3:.1f}"
-                           for name, (low, high) in (trial.get("step_range_s") or {}).items())
-        if ranges:
-            lines.append(f"fastest-slowest step (ms): {ranges}; compression is taken over plain only beyond that "
-                         f"scatter")
+        return lines
+    measured = ", ".join(f"{name} {'-' if s is None else f'{s * 1e3:.1f}'}"
+                         for name, s in trial["measured_step_s"].items())
+    lines.append(f"measured step (ms, median over rounds, slowest rank): {measured}; chosen: {trial['chosen']}")
+    rounds = "; ".join(f"{name} " + "/".join("-" if s is None else f"{s * 1e3:.1f}" for s in seconds)
+                       for name, seconds in (trial.get("round_step_s") or {}).items())
+    if rounds:
+        lines.append(f"per round (ms): {rounds}; compression is taken over plain only where it was quicker in every "
+                     f"round, and by more than {PLAIN_PREFERENCE:.0%} in the median")
     return lines

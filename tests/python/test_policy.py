@@ -125,7 +125,7 @@ def test_bad_options_are_refused_by_name():
                 ({"policy": "time", "min_bucket_ratio": 2.0}, "min_bucket_ratio=2.0"),
                 ({"policy": "time", "remeasure_every": -1}, "remeasure_every=-1"),
                 ({"remeasure_every": 5}, "remeasure_every=5"),
-                ({"policy": "time", "trial_steps": 3}, "trial_steps=3"),
+                ({"policy": "time", "trial_steps": 1}, "trial_steps=1"),
                 ({"policy": "time", "trial_steps": -2}, "trial_steps=-2"),
                 ({"policy": "time", "trial_steps": True}, "trial_steps=True"),
                 ({"trial_steps": 4}, "trial_steps=4")]
@@ -176,6 +176,54 @@ def test_switches_between_plain_and_compressed_lose_nothing(spec):
     assert results[0]["plain_residuals_held"] == [False] and "plain" in results[0]["schemes_at_end"].values()
 
 
+class _OneRankStep:
+    """What a plain bucket's launch asks of a step, on one rank: the allreduce of one rank is the tensor itself."""
+    world = 1
+
+    @staticmethod
+    def allreduce(tensor):
+        done = torch.futures.Future()
+        done.set_result([tensor])
+        return done
+
+
+def _unread(tensor):
+    """tensor, made to fail the test if release_if_spent reads it (a pass over the bucket per step)."""
+    def read():
+        raise AssertionError("the spent residual was read")
+    tensor.any = read
+    return tensor
+
+
+def test_a_plain_bucket_drops_the_residual_it_sent_without_reading_it_unless_an_idle_parameter_kept_some():
+    """After a switch to plain: the residual taken over is sent once with the gradient; the bucket then knows it is
+    spent (no pass over it in the next step), except where set_idle_aside put an idle parameter's share back, which
+    is kept until sent."""
+    codec = gradcomp.codec("signsgd")
+    left = {"a": {"residual": torch.tensor([1.0, 2.0])}, "b": {"residual": torch.tensor([3.0])}}
+    for idle in (None, torch.tensor([True, False])):
+        plan = gradcomp.schemes.PlainBucket(codec, 0, ["a", "b"], [(2,), (1,)], torch.float32, "cpu")
+        plan.take({key: {"residual": piece["residual"].clone()} for key, piece in left.items()})
+        plan.release_if_spent()  # not yet sent: kept
+        assert torch.equal(plan.residual, torch.tensor([1.0, 2.0, 3.0]))
+        flat = torch.tensor([10.0, 20.0, 30.0])
+        sent = plan.launch(_OneRankStep(), flat, None).wait()
+        assert torch.equal(sent, torch.tensor([11.0, 22.0, 33.0]))
+        if idle is None:
+            _unread(plan.residual)
+            plan.release_if_spent()
+            assert plan.residual is None
+        else:
+            plan.set_idle_aside(idle, flat)  # parameter a unused on every rank: its gradient 0, its residual back
+            assert torch.equal(flat, torch.tensor([0.0, 0.0, 33.0]))
+            plan.release_if_spent()
+            assert torch.equal(plan.residual, torch.tensor([1.0, 2.0, 0.0]))
+            assert torch.equal(plan.launch(_OneRankStep(), torch.zeros(3), None).wait(), torch.tensor([1.0, 2.0, 0.0]))
+            _unread(plan.residual)
+            plan.release_if_spent()
+            assert plan.residual is None
+
+
 def test_switches_to_and_from_the_hierarchical_scheme_lose_nothing():
     world, steps = 4, 10
     schedule = [["hierarchical"], ["plain"], ["two-phase", "hierarchical"], ["hierarchical"]]
@@ -224,17 +272,24 @@ def test_a_resumed_run_repeats_the_decision_and_the_run_bit_for_bit(tmp_path, sp
 TRIAL_SECONDS = {"model": [2.5, 2.5], "plain": [1.0, 3.0], "allgather": [2.0, 2.0], "two-phase": [2.2, 2.4]}
 
 
-def test_the_trial_shortlist_drops_what_is_predicted_far_slower_and_schedules_the_rest_in_blocks():
+def test_the_trial_shortlist_drops_what_is_predicted_far_slower_and_schedules_the_rest_in_shuffled_rounds():
     decision = {"step": 5, "options": ["plain", "allgather", "two-phase"],
                 "buckets": [{"choice": "allgather"}, {"choice": "plain"}],
                 "predicted_exposed_s": {"policy": 0.1, "plain": 2.0, "allgather": 0.12, "two-phase": 0.3}}
     trial = policy_trial.plan(decision, 4, plain_step_s=2.5)  # compute 0.5 s: plain's 2.5 s is over 1.5 x 0.6 s
-    assert trial["names"] == ["model", "allgather", "two-phase"] and trial["block"] == 3
+    assert trial["names"] == ["model", "allgather", "two-phase"] and trial["block"] == 2 and trial["rounds"] == 4
     assert trial["choices"]["model"] == ["allgather", "plain"] and trial["choices"]["two-phase"] == ["two-phase"] * 2
-    assert [policy_trial.candidate_at(trial, s) for s in range(4, 24)] == \
-        [None] + ["model"] * 3 + ["allgather"] * 3 + ["two-phase"] * 3 + ["model"] * 3 + ["allgather"] * 3 + \
-        ["two-phase"] * 3 + [None]
-    assert [s for s in range(5, 23) if policy_trial.counted(trial, s)] == [6, 7, 9, 10, 12, 13, 15, 16, 18, 19, 21, 22]
+    assert policy_trial.length(trial) == 24  # 3 candidates x 4 rounds x 2 steps
+    schedule = [policy_trial.candidate_at(trial, s) for s in range(4, 30)]
+    assert schedule[0] is None and schedule[-1] is None
+    blocks = [schedule[1 + 2 * b:3 + 2 * b] for b in range(12)]
+    assert all(a == b for a, b in blocks)  # two steps per block: the switch and one measured step
+    rounds = [[a for a, _ in blocks[3 * r:3 * r + 3]] for r in range(4)]
+    assert all(sorted(r) == sorted(trial["names"]) for r in rounds)  # every candidate once per round
+    assert len({tuple(r) for r in rounds}) > 1  # in an order shuffled per round
+    assert policy_trial.plan(decision, 4, plain_step_s=2.5) == trial  # alike on every rank (and on resume)
+    assert [policy_trial.round_at(trial, s) for s in (4, 5, 10, 11, 28, 29)] == [None, 0, 0, 1, 3, None]
+    assert [s for s in range(5, 29) if policy_trial.counted(trial, s)] == list(range(6, 29, 2))
     assert len(policy_trial.plan(decision, 4, plain_step_s=None)["names"]) == 4  # nothing measured: nothing pruned
     assert policy_trial.plan(decision, 0, plain_step_s=2.5) is None
     plain_chosen = {**decision, "buckets": [{"choice": "plain"}] * 2,
@@ -242,17 +297,20 @@ def test_the_trial_shortlist_drops_what_is_predicted_far_slower_and_schedules_th
     assert policy_trial.plan(plain_chosen, 4, plain_step_s=0.5) is None  # only plain is left: nothing to try
 
 
-def _scripted_verdict(trial: dict, steps: dict[str, list[float]]) -> dict:
-    """The verdict of one rank whose counted trial steps took, per candidate, the scripted seconds in order."""
+def _scripted_verdict(trial: dict, steps: dict[str, list[float]], missing_rounds=()) -> dict:
+    """The verdict of one rank whose counted trial steps took, per candidate, the scripted seconds round by round
+    (None: not measured, as in a run resumed after that step)."""
     counted = [s for s in range(policy_trial.length(trial)) if policy_trial.counted(trial, s)]
     queues = {name: list(seconds) for name, seconds in steps.items()}
     seconds = {s: queues[policy_trial.candidate_at(trial, s)].pop(0) for s in counted}
-    assert not any(queues.values())  # every scripted time was used: 2 rounds of 2 counted steps each
-    return policy_trial.verdict(trial, seconds, None, torch.device("cpu"))
+    assert not any(queues.values())  # every scripted time was used: one counted step per candidate and round
+    return policy_trial.verdict(trial, {s: t for s, t in seconds.items() if t is not None}, None,
+                                torch.device("cpu"))
 
 
-def test_the_verdict_keeps_plain_unless_the_gain_is_beyond_the_steps_scatter(monkeypatch):
-    """Compression replaces plain only where every counted step of the fastest candidate beat plain's fastest."""
+def test_the_verdict_keeps_plain_unless_the_candidate_was_quicker_in_every_round(monkeypatch):
+    """Compression replaces plain only where it beat plain's step of the same round, every round, and by over 2% in
+    the median: a machine whose speed drifts between rounds moves both alike."""
     monkeypatch.setattr(policy_trial.dist, "get_world_size", lambda group=None: 1)
     decision = {"step": 0, "options": ["plain", "allgather"], "buckets": [{"choice": "allgather"}],
                 "predicted_exposed_s": {"policy": 0.1, "plain": 0.2, "allgather": 0.1}}
@@ -262,14 +320,30 @@ def test_the_verdict_keeps_plain_unless_the_gain_is_beyond_the_steps_scatter(mon
     def verdict(model_steps, plain_steps):
         return _scripted_verdict(trial, {"model": model_steps, "plain": plain_steps})
 
-    beyond = verdict([2.0, 2.9, 2.1, 2.2], [3.0, 3.2, 3.1, 3.3])
-    assert beyond["chosen"] == "model" and beyond["step_range_s"] == {"model": [2.0, 2.9], "plain": [3.0, 3.3]}
-    within = verdict([2.0, 3.1, 2.1, 2.2], [3.0, 3.2, 3.1, 3.3])  # median 2.15 against 3.15, but one step at 3.1
-    assert within["chosen"] == "plain" and within["measured_step_s"]["model"] == pytest.approx(2.15)
-    close = verdict([2.95, 2.95, 2.95, 2.95], [3.0, 3.0, 3.0, 3.0])  # every step quicker, by under 2%
+    drifting = verdict([2.0, 3.0, 4.0, 5.0], [2.2, 3.3, 4.4, 5.5])  # the machine slows down; the model's 10% holds
+    assert drifting["chosen"] == "model" and drifting["measured_step_s"] == {"model": 3.5, "plain": 3.85}
+    assert drifting["round_step_s"] == {"model": [2.0, 3.0, 4.0, 5.0], "plain": [2.2, 3.3, 4.4, 5.5]}
+    lost_a_round = verdict([2.0, 3.1, 2.1, 2.2], [2.5, 3.0, 2.6, 2.7])  # median 2.15 against 2.65, one round lost
+    assert lost_a_round["chosen"] == "plain"
+    close = verdict([2.95, 2.95, 2.95, 2.95], [3.0, 3.0, 3.0, 3.0])  # quicker every round, by under 2%
     assert close["chosen"] == "plain"
-    assert "fastest-slowest step (ms): model 2000.0-2900.0, plain 3000.0-3300.0" in "\n".join(
-        policy_trial.describe(beyond))
+    lines = "\n".join(policy_trial.describe(drifting))
+    assert "model 2000.0/3000.0/4000.0/5000.0; plain 2200.0/3300.0/4400.0/5500.0" in lines and \
+        "chosen: model" in lines
+
+
+def test_the_verdict_counts_only_the_rounds_measured_whole(monkeypatch):
+    """A run resumed during the trial measured only its later steps: the rounds it has whole decide; with none, the
+    model's choice stands."""
+    monkeypatch.setattr(policy_trial.dist, "get_world_size", lambda group=None: 1)
+    decision = {"step": 0, "options": ["plain", "allgather"], "buckets": [{"choice": "allgather"}],
+                "predicted_exposed_s": {"policy": 0.1, "plain": 0.2, "allgather": 0.1}}
+    trial = policy_trial.plan(decision, 4, plain_step_s=None)
+    # rounds 0 and 1 lost the model its gain; only rounds 2 and 3 were measured whole
+    resumed = _scripted_verdict(trial, {"model": [None, 9.0, 2.0, 2.1], "plain": [1.0, None, 3.0, 3.0]})
+    assert resumed["chosen"] == "model" and resumed["round_step_s"]["model"] == [None, 9.0, 2.0, 2.1]
+    nothing_whole = _scripted_verdict(trial, {"model": [None, 2.0, None, 2.0], "plain": [3.0, None, 3.0, None]})
+    assert nothing_whole["chosen"] == "model"
 
 
 def test_the_verdict_guards_plain_where_the_models_own_choice_is_plain_for_every_bucket(monkeypatch):
@@ -283,9 +357,9 @@ def test_the_verdict_guards_plain_where_the_models_own_choice_is_plain_for_every
     def verdict(allgather_steps):
         return _scripted_verdict(trial, {"model": [3.0, 3.2, 3.1, 3.3], "allgather": allgather_steps})
 
-    assert verdict([2.8, 3.4, 2.7, 2.9])["chosen"] == "model"  # median 2.85 against 3.15, one step at 3.4
-    assert verdict([3.1, 3.1, 3.1, 3.1])["chosen"] == "model"  # under 2% quicker
-    assert verdict([2.0, 2.9, 2.1, 2.2])["chosen"] == "allgather"  # beyond the scatter
+    assert verdict([2.8, 3.4, 2.7, 2.9])["chosen"] == "model"  # median 2.85 against 3.15, one round lost
+    assert verdict([2.96, 3.15, 3.05, 3.25])["chosen"] == "model"  # quicker every round, under 2%
+    assert verdict([2.0, 2.9, 2.1, 2.2])["chosen"] == "allgather"  # quicker every round, by 10-33%
     no_plain = {**trial, "names": ["allgather"], "choices": {"allgather": ["allgather"] * 2}}
     assert policy_trial.all_plain(no_plain) is None
 

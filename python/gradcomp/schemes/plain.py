@@ -18,6 +18,7 @@ from .base import ResidualPlan, ring_allreduce_bytes
 
 class PlainBucket(ResidualPlan):
     scheme = "plain"
+    _spent = False  # known without a read: the residual was sent in a finite step, nothing set aside since
 
     def __init__(self, codec, index: int, keys, shapes, dtype: torch.dtype, device, *, world: int = 1, rank: int = 0):
         super().__init__(codec, index, keys, shapes, dtype, device, world=world, rank=rank)
@@ -40,7 +41,7 @@ class PlainBucket(ResidualPlan):
         if not carried:
             return
         device = next(iter(carried.values()))["residual"].device
-        self.residual = torch.zeros(self.numel, dtype=self.dtype, device=device)
+        self.residual, self._spent = torch.zeros(self.numel, dtype=self.dtype, device=device), False
         for key, offset, count in self._offsets():
             piece = carried.get(key, {}).get("residual")
             if piece is not None and piece.numel() == count:
@@ -48,10 +49,12 @@ class PlainBucket(ResidualPlan):
 
     def release_if_spent(self) -> None:
         """Drops a residual that holds nothing any more (all zero: sent, and no parameter set aside), so that the
-        bucket goes on as plain DDP's, without a pass over it per step. Read on the CPU only: on CUDA it would
-        take a host-device sync, and the bucket keeps the residual (zeros) instead."""
-        if self.residual is not None and not self.residual.is_cuda and not bool(self.residual.any()):
+        bucket goes on as plain DDP's, without a pass over it per step. On the CPU only: on CUDA it would take a
+        host-device sync, and the bucket keeps the residual (zeros) instead. A residual this bucket sent in a finite
+        step is known spent without reading it (a pass that would weigh on the step after every switch to plain)."""
+        if self.residual is not None and not self.residual.is_cuda and (self._spent or not bool(self.residual.any())):
             self.residual = self._spare = None
+            self._spent = False
 
     def launch(self, step, flat: torch.Tensor, views) -> torch.futures.Future:
         work = self._working_residual()
@@ -64,7 +67,9 @@ class PlainBucket(ResidualPlan):
         def finish(done):
             value_or_raise(done)
             if work is not None:
-                self.residual, self._spare = keep_if_finite(torch.isfinite(flat).all(), work, self.residual)
+                finite = torch.isfinite(flat).all()
+                self.residual, self._spare = keep_if_finite(finite, work, self.residual)
+                self._spent = not finite.is_cuda and bool(finite)  # zero now, unless set_idle_aside restores some
             return flat
 
         return summed.then(finish)
@@ -73,4 +78,8 @@ class PlainBucket(ResidualPlan):
         residual = tensors.get("residual") if isinstance(tensors, dict) else None
         expected = {"residual": ((self.numel,), self.dtype) if residual is not None else (None, None)}
         check_saved_tensors(tensors, expected, self.index)
-        self.residual = None if residual is None else residual.clone()
+        self.residual, self._spent = None if residual is None else residual.clone(), False
+
+    def restore_residuals(self, mask: torch.Tensor) -> None:
+        super().restore_residuals(mask)
+        self._spent = False  # an idle parameter's residual is back: it waits to be sent
