@@ -297,7 +297,7 @@ def test_the_trial_shortlist_drops_what_is_predicted_far_slower_and_schedules_th
     assert policy_trial.plan(plain_chosen, 4, plain_step_s=0.5) is None  # only plain is left: nothing to try
 
 
-def _scripted_verdict(trial: dict, steps: dict[str, list[float]], missing_rounds=()) -> dict:
+def _scripted_verdict(trial: dict, steps: dict[str, list[float]]) -> dict:
     """The verdict of one rank whose counted trial steps took, per candidate, the scripted seconds round by round
     (None: not measured, as in a run resumed after that step)."""
     counted = [s for s in range(policy_trial.length(trial)) if policy_trial.counted(trial, s)]
