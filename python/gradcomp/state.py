@@ -531,6 +531,8 @@ class CompressionState(StateCheckpoints):
         plain_step = policy_trial.max_over_ranks(plain_step, step.group, buffer.device)
         self._decision["trial"] = policy_trial.plan(self._decision, self.trial_steps, plain_step)
         self._timings = time_policy.WarmupTimings()
+        if self._trial_running():  # the trial's first step is this one: its switch, which the verdict looks for
+            self._timings.step_started(self.iter, buffer.device)
         logger.info("%s", time_policy.explain(self._decision, self.spec))
 
     @property

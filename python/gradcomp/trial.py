@@ -8,10 +8,11 @@ measured fastest:
         predicted step (the warm-up's measured plain step, less plain's predicted exposed communication, plus the
         candidate's) is over PRUNE x the best predicted one: plain at 100 Mbit/s is not worth a trial;
     the schedule: trial_steps rounds; each runs every candidate for one block of BLOCK steps, in an order shuffled
-        per round (the same on every rank); the first step of a block (the switch, new plans laid out) is not
-        counted. A core's speed drifts by tens of percent within seconds on a shared machine, so candidates are
-        compared round by round, each with the others' steps a few steps away, never one candidate's block of steps
-        against another's taken seconds later; the shuffle keeps a candidate from always following the same other;
+        per round (the same on every rank; the first round starts with the model's choice, which the decision's own
+        step sends); the first step of a block (the switch, new plans laid out) is not counted. A core's speed
+        drifts by tens of percent within seconds on a shared machine, so candidates are compared round by round,
+        each with the others' steps a few steps away, never one candidate's block of steps against another's taken
+        seconds later; the shuffle keeps a candidate from always following the same other;
     a step's time: from its first bucket's hook call to the next step's (forward, backward, communication and the
         optimizer all in it), host seconds on the CPU, CUDA events on a GPU (read at the end of the trial: one sync);
     the verdict, at the first step after the trial: every rank's time per candidate and round, combined by one
@@ -19,8 +20,10 @@ measured fastest:
         round, and the candidate with the smallest median ratio; but plain stands unless that candidate was quicker
         than plain in every round, and by more than PLAIN_PREFERENCE in the median. Plain is whichever candidate
         sends every bucket plain: the model's choice itself, where that is plain for every bucket (where the
-        shortlist has no plain, the ratios are to the model's choice). A policy that promises never to be slower
-        than plain DDP takes compression only where the measured gain holds in every round.
+        shortlist has no plain, the ratios are to the model's choice, and the smallest median stands). A policy
+        that promises never to be slower than plain DDP takes compression only where its gain holds in every round.
+        A step counts only where its block's switch was measured in the same process (a resumed run's first step,
+        its plans laid out anew, does not).
 Every step of the trial is a real training step: a switch hands the error-feedback residuals over as any decision
 does (nothing lost). The schedule is fixed at the decision, so a run resumed during the trial sends each step as the
 uninterrupted one did; its verdict counts only the rounds it measured whole itself, and may differ.
@@ -76,9 +79,9 @@ def plan(decision: dict, trial_steps: int, plain_step_s: float | None) -> dict |
     names = list(candidates)
     order = []
     for round_ in range(trial_steps):
-        shuffled = list(names)
+        shuffled = list(names[1:] if round_ == 0 else names)
         random.Random(f"gradcomp trial {decision['step']} {round_}").shuffle(shuffled)  # alike on every rank
-        order.append(shuffled)
+        order.append(names[:1] + shuffled if round_ == 0 else shuffled)  # the decision's own step sends the model's
     return {"start": decision["step"], "block": BLOCK, "rounds": trial_steps, "names": names, "order": order,
             "choices": candidates, "plain_step_s": plain_step_s, "measured_step_s": None, "round_step_s": None,
             "chosen": None}
@@ -131,7 +134,7 @@ def verdict(trial: dict, step_seconds: dict[int, float], group, device: torch.de
     names, rounds = trial["names"], trial["rounds"]
     steps: dict[tuple[str, int], list[float]] = {(name, r): [] for name in names for r in range(rounds)}
     for step, seconds in step_seconds.items():
-        if counted(trial, step):
+        if counted(trial, step) and step - 1 in step_seconds:  # its switch seen here: not a resumed run's first step
             steps[candidate_at(trial, step), round_at(trial, step)].append(seconds)
     times = [statistics.median(steps[name, r]) if steps[name, r] else math.inf for name in names for r in range(rounds)]
     tensor = torch.tensor(times, dtype=torch.float64, device=device)
@@ -139,12 +142,13 @@ def verdict(trial: dict, step_seconds: dict[int, float], group, device: torch.de
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)  # a round missing on any rank is missing
     values = tensor.cpu().tolist()
     per_round = {name: values[i * rounds:(i + 1) * rounds] for i, name in enumerate(names)}
-    whole = [r for r in range(rounds) if all(math.isfinite(per_round[name][r]) for name in names)]
     plain = all_plain(trial)  # "model" where the model's own choice is plain for every bucket
+    reference = plain or (MODEL if MODEL in names else names[0])
+    whole = [r for r in range(rounds) if all(math.isfinite(per_round[name][r]) for name in names)
+             and per_round[reference][r] > 0]
     if not whole:  # no round measured whole on every rank (a run resumed late in the trial): the model's choice
         chosen = MODEL if MODEL in names else names[0]
     else:
-        reference = plain or names[0]
         ratios = {name: [per_round[name][r] / per_round[reference][r] for r in whole] for name in names}
         chosen = min(names, key=lambda name: statistics.median(ratios[name]))  # the first of equals
         if plain is not None and not (statistics.median(ratios[chosen]) < 1 - PLAIN_PREFERENCE and
@@ -161,8 +165,9 @@ def describe(trial: dict | None) -> list[str]:
     if trial is None:
         return []
     names = ", ".join(f"{name} ({'/'.join(sorted(set(trial['choices'][name])))})" for name in trial["names"])
+    order = "a shuffled order" if "order" in trial else "the shortlist's order"  # the latter: planned by an earlier gradcomp
     lines = [f"trial from step {trial['start']}, {trial['rounds']} rounds of {trial['block']} steps per candidate, "
-             f"in a shuffled order (the first of each block uncounted): {names}"]
+             f"in {order} (the first of each block uncounted): {names}"]
     if trial["chosen"] is None:
         lines.append("trial under way: each bucket's choice above is that of this step's candidate")
         return lines

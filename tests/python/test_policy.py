@@ -222,6 +222,11 @@ def test_a_plain_bucket_drops_the_residual_it_sent_without_reading_it_unless_an_
             _unread(plan.residual)
             plan.release_if_spent()
             assert plan.residual is None
+    not_finite = gradcomp.schemes.PlainBucket(codec, 0, ["a", "b"], [(2,), (1,)], torch.float32, "cpu")
+    not_finite.take({key: {"residual": piece["residual"].clone()} for key, piece in left.items()})
+    not_finite.launch(_OneRankStep(), torch.tensor([float("nan"), 1.0, 1.0]), None).wait()
+    not_finite.release_if_spent()  # the step's data was not finite: the residual stays as it was, to be sent
+    assert torch.equal(not_finite.residual, torch.tensor([1.0, 2.0, 3.0]))
 
 
 def test_switches_to_and_from_the_hierarchical_scheme_lose_nothing():
@@ -297,15 +302,21 @@ def test_the_trial_shortlist_drops_what_is_predicted_far_slower_and_schedules_th
     assert policy_trial.plan(plain_chosen, 4, plain_step_s=0.5) is None  # only plain is left: nothing to try
 
 
+SWITCH_SECONDS = 100.0  # each block's first step (the switch): far slower than any scripted step, and never counted
+
+
 def _scripted_verdict(trial: dict, steps: dict[str, list[float]]) -> dict:
     """The verdict of one rank whose counted trial steps took, per candidate, the scripted seconds round by round
-    (None: not measured, as in a run resumed after that step)."""
+    (None: that step and its switch not measured, as in a run resumed after them)."""
     counted = [s for s in range(policy_trial.length(trial)) if policy_trial.counted(trial, s)]
     queues = {name: list(seconds) for name, seconds in steps.items()}
-    seconds = {s: queues[policy_trial.candidate_at(trial, s)].pop(0) for s in counted}
+    seconds = {}
+    for step in counted:
+        scripted = queues[policy_trial.candidate_at(trial, step)].pop(0)
+        if scripted is not None:
+            seconds.update({step - 1: SWITCH_SECONDS, step: scripted})
     assert not any(queues.values())  # every scripted time was used: one counted step per candidate and round
-    return policy_trial.verdict(trial, {s: t for s, t in seconds.items() if t is not None}, None,
-                                torch.device("cpu"))
+    return policy_trial.verdict(trial, seconds, None, torch.device("cpu"))
 
 
 def test_the_verdict_keeps_plain_unless_the_candidate_was_quicker_in_every_round(monkeypatch):
@@ -344,6 +355,10 @@ def test_the_verdict_counts_only_the_rounds_measured_whole(monkeypatch):
     assert resumed["chosen"] == "model" and resumed["round_step_s"]["model"] == [None, 9.0, 2.0, 2.1]
     nothing_whole = _scripted_verdict(trial, {"model": [None, 2.0, None, 2.0], "plain": [3.0, None, 3.0, None]})
     assert nothing_whole["chosen"] == "model"
+    # a resumed run's first step, measured without its switch (its plans laid out anew in it), does not count
+    first_counted = next(s for s in range(policy_trial.length(trial)) if policy_trial.counted(trial, s))
+    alone = policy_trial.verdict(trial, {first_counted: 1.0}, None, torch.device("cpu"))
+    assert alone["round_step_s"][policy_trial.candidate_at(trial, first_counted)][0] is None
 
 
 def test_the_verdict_guards_plain_where_the_models_own_choice_is_plain_for_every_bucket(monkeypatch):
@@ -360,14 +375,24 @@ def test_the_verdict_guards_plain_where_the_models_own_choice_is_plain_for_every
     assert verdict([2.8, 3.4, 2.7, 2.9])["chosen"] == "model"  # median 2.85 against 3.15, one round lost
     assert verdict([2.96, 3.15, 3.05, 3.25])["chosen"] == "model"  # quicker every round, under 2%
     assert verdict([2.0, 2.9, 2.1, 2.2])["chosen"] == "allgather"  # quicker every round, by 10-33%
-    no_plain = {**trial, "names": ["allgather"], "choices": {"allgather": ["allgather"] * 2}}
-    assert policy_trial.all_plain(no_plain) is None
+
+
+def test_without_plain_on_the_shortlist_the_smallest_median_ratio_to_the_models_choice_stands(monkeypatch):
+    monkeypatch.setattr(policy_trial.dist, "get_world_size", lambda group=None: 1)
+    decision = {"step": 0, "options": ["allgather", "two-phase"], "buckets": [{"choice": "allgather"},
+                                                                              {"choice": "two-phase"}],
+                "predicted_exposed_s": {"policy": 0.1, "allgather": 0.2, "two-phase": 0.2}}
+    trial = policy_trial.plan(decision, 4, plain_step_s=None)
+    assert trial["names"] == ["model", "allgather", "two-phase"] and policy_trial.all_plain(trial) is None
+    verdict = _scripted_verdict(trial, {"model": [3.0, 3.0, 3.0, 3.0], "allgather": [2.9, 3.1, 2.9, 3.1],
+                                        "two-phase": [2.0, 3.5, 2.0, 2.0]})
+    assert verdict["chosen"] == "two-phase"  # no plain to guard: a lost round does not keep the model's choice
 
 
 def test_the_trial_runs_each_candidate_in_turn_and_every_rank_keeps_the_fastest_for_the_slowest_rank():
-    """Each step of the trial goes under its candidate; the verdict takes each candidate's median per rank, the
-    largest over the ranks, then the fastest: the same on every rank, though rank 0 alone would keep plain; after it,
-    every step goes that way; and the switches lost nothing."""
+    """Each step of the trial goes under its candidate; the verdict takes each candidate's time per round, the
+    largest over the ranks, as a ratio to plain's: the same on every rank, though rank 0 alone would keep plain; after
+    it, every step goes that way; and the switches lost nothing."""
     world, steps = 2, 22
     results = unwrap(run_ranks(scenarios.recorded, world, ("signsgd", {"trial_steps": 2}, steps,
                                                            [["two-phase", "plain"]], None, TRIAL_SECONDS), timeout=300))
@@ -375,6 +400,7 @@ def test_the_trial_runs_each_candidate_in_turn_and_every_rank_keeps_the_fastest_
     trial = decision["trial"]
     assert trial["names"] == ["model", "plain", "allgather", "two-phase"] and trial["block"] == 2
     assert trial["measured_step_s"] == {"model": 2.5, "plain": 3.0, "allgather": 2.0, "two-phase": 2.4}
+    assert all(None not in seconds for seconds in trial["round_step_s"].values())  # every round measured whole
     assert trial["chosen"] == "allgather" and all(r["stats"]["decision"] == decision for r in results)
     indices = [b["index"] for b in decision["buckets"]]
     assert len(indices) >= 2
