@@ -250,7 +250,9 @@ def table_rows(runs: dict, codecs: list[str]) -> list[dict]:
                            "predicted_exposed_ms": 1e3 * statistics.median(predicted) if predicted else None,
                            "choices": [e["schemes"] for e in policy] if label.endswith("policy") else None,
                            "trial": [(e["decision"].get("trial") or {}).get("chosen") for e in policy if e["decision"]]
-                           if label.endswith("policy") else None}
+                           if label.endswith("policy") else None,
+                           "trial_rounds": [(e["decision"].get("trial") or {}).get("rounds") for e in policy
+                                            if e["decision"]] if label.endswith("policy") else None}
                     rows.append(row)
     return rows
 
@@ -345,7 +347,8 @@ def report(rows: list[dict], stem: str, meta: dict) -> None:
         print(f"{r['world']:5d} {r['link']:>8} {r['model']:>8} {r['config']:32} {r['median_ms']:9.1f} "
               f"{spread_columns(r)} {r['vs_limit']:8.2f} "
               f"{r['vs_plain']:8.2f} {r['vs_fastest_fixed']:7.2f} "
-              f"{predicted} {r['measured_exposed_ms']:8.1f}" + (f"  {r['choices']} trial {r['trial']}"
+              f"{predicted} {r['measured_exposed_ms']:8.1f}" + (f"  {r['choices']} trial {r['trial']} "
+                                                                 f"rounds {r.get('trial_rounds')}"
                                                                  if r["choices"] else ""))
     totals = summary(rows)
     print("\n" + json.dumps(totals))

@@ -32,7 +32,7 @@ time beats all-plain's by MARGIN; else every bucket goes plain. So the choice is
 DDP, nor slower than any option fixed for every bucket by more than MARGIN (within which plain is preferred). It
 is kept in the state (a resumed run repeats it) and taken anew every `remeasure_every` steps where that is set.
 Then the run tries the model's shortlist for a few steps each and keeps the fastest measured, compression only
-where it beat plain in every round (gradcomp.trial; trial_steps=0 leaves the model's choice).
+where its gain over plain is clear of the rounds' scatter (gradcomp.trial; trial_steps=0 leaves the model's choice).
 Known limits (benchmarks/README.md, policy.py): the hook's per-step work on busy cores is not in the dry runs, and
 compute on the collectives' callbacks is taken to hold the link; on shared CPU cores the model under-predicts.
 On a GPU every time is a pair of CUDA events, read at the decision (one sync), none per step.

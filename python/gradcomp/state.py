@@ -553,10 +553,12 @@ class CompressionState(StateCheckpoints):
         self._timings.step_started(self.iter, buffer.device)
         name = policy_trial.candidate_at(trial, self.iter)
         if name is None:
-            time_policy.Clock(buffer.device).sync()  # on a GPU, the trial's events are read now: its one wait
+            time_policy.Clock(buffer.device).sync()  # on a GPU, the trial's events are read now: one wait per verdict
             trial = policy_trial.verdict(trial, self._timings.step_seconds(), step.group, buffer.device)
-            self._decision["trial"], name = trial, trial["chosen"]
-            self._timings = time_policy.WarmupTimings()
+            self._decision["trial"] = trial
+            name = trial["chosen"] or policy_trial.candidate_at(trial, self.iter)  # a close call: one more round
+            if trial["chosen"] is not None:
+                self._timings = time_policy.WarmupTimings()
         for bucket, choice in zip(self._decision["buckets"], trial["choices"][name]):
             bucket["choice"] = choice
         self._retire_changed_plans()

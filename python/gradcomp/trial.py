@@ -17,16 +17,23 @@ measured fastest:
         optimizer all in it), host seconds on the CPU, CUDA events on a GPU (read at the end of the trial: one sync);
     the verdict, at the first step after the trial: every rank's time per candidate and round, combined by one
         allreduce (MAX: the slowest rank sets the pace); each candidate's time as a ratio to plain's in the same
-        round, and the candidate with the smallest median ratio; but plain stands unless that candidate was quicker
-        than plain in every round, and by more than PLAIN_PREFERENCE in the median. Plain is whichever candidate
-        sends every bucket plain: the model's choice itself, where that is plain for every bucket (where the
-        shortlist has no plain, the ratios are to the model's choice, and the smallest median stands). A policy
-        that promises never to be slower than plain DDP takes compression only where its gain holds in every round.
+        round, and the candidate with the smallest median ratio, the challenger. Plain stands unless the challenger
+        was quicker by more than PLAIN_PREFERENCE in the median, and its gain is clear: it was quicker in every
+        round, or the mean of its log-ratios lies Z standard errors below 0. Plain is whichever candidate sends
+        every bucket plain: the model's choice itself, where that is plain for every bucket (where the shortlist
+        has no plain, the ratios are to the model's choice, and the smallest median stands). A policy that promises
+        never to be slower than plain DDP takes compression only where its gain is clear of the steps' scatter.
         A step counts only where its block's switch was measured in the same process (a resumed run's first step,
-        its plans laid out anew, does not).
+        its plans laid out anew, does not);
+    close calls: where the challenger's median gain is over PLAIN_PREFERENCE but not yet clear, the trial goes on
+        with rounds of the challenger and plain alone (in a shuffled order, one allreduce per round), the verdict
+        taken again after each, up to EXTEND x trial_steps rounds in all; then plain stands. On a shared CPU one
+        step scatters by about 20%, and four pairs cannot show a 10% gain; on a GPU they mostly can, and no round
+        is added.
 Every step of the trial is a real training step: a switch hands the error-feedback residuals over as any decision
-does (nothing lost). The schedule is fixed at the decision, so a run resumed during the trial sends each step as the
-uninterrupted one did; its verdict counts only the rounds it measured whole itself, and may differ.
+does (nothing lost). The schedule is fixed at the decision (and at each round a close call adds), so a run resumed
+during the trial sends each step as the uninterrupted one did; its verdict counts the rounds an earlier verdict
+combined (saved with the decision) and those it measured whole itself, and may differ from the uninterrupted run's.
 """
 
 from __future__ import annotations
@@ -43,6 +50,8 @@ BLOCK = 2  # steps per candidate and round: the switch, then one measured step
 DEFAULT_STEPS = 4  # measured steps (rounds) per candidate under policy="time" unless trial_steps says otherwise
 PRUNE = 1.5
 PLAIN_PREFERENCE = 0.02
+CLEAR_Z = 2.0  # a gain is clear where the mean log-ratio lies this many standard errors below 0
+EXTEND = 3  # a close call may run up to EXTEND x trial_steps rounds in all
 MODEL = "model"  # the candidate that is the cost model's own choice
 
 
@@ -82,30 +91,44 @@ def plan(decision: dict, trial_steps: int, plain_step_s: float | None) -> dict |
         shuffled = list(names[1:] if round_ == 0 else names)
         random.Random(f"gradcomp trial {decision['step']} {round_}").shuffle(shuffled)  # alike on every rank
         order.append(names[:1] + shuffled if round_ == 0 else shuffled)  # the decision's own step sends the model's
-    return {"start": decision["step"], "block": BLOCK, "rounds": trial_steps, "names": names, "order": order,
-            "choices": candidates, "plain_step_s": plain_step_s, "measured_step_s": None, "round_step_s": None,
-            "chosen": None}
+    return {"start": decision["step"], "block": BLOCK, "rounds": trial_steps, "first_rounds": trial_steps,
+            "max_rounds": EXTEND * trial_steps,
+            "names": names, "order": order, "challenger": None, "choices": candidates, "plain_step_s": plain_step_s,
+            "measured_step_s": None, "round_step_s": None, "chosen": None}
+
+
+def orders(trial: dict) -> list[list[str]]:
+    """Each round's candidates in the order they run."""
+    return trial["order"] if "order" in trial else [trial["names"]] * trial["rounds"]  # planned before the shuffle
 
 
 def length(trial: dict) -> int:
-    return len(trial["names"]) * trial["block"] * trial["rounds"]
+    return trial["block"] * sum(len(order) for order in orders(trial))
+
+
+def _position(trial: dict, step: int) -> tuple[int, int] | None:
+    """(round, block within the round) of step `step`, None outside the trial."""
+    offset = step - trial["start"]
+    if offset < 0:
+        return None
+    block = offset // trial["block"]
+    for round_, order in enumerate(orders(trial)):
+        if block < len(order):
+            return round_, block
+        block -= len(order)
+    return None
 
 
 def round_at(trial: dict, step: int) -> int | None:
     """The round that step `step` belongs to, None outside the trial."""
-    offset = step - trial["start"]
-    if not 0 <= offset < length(trial):
-        return None
-    return offset // (trial["block"] * len(trial["names"]))
+    position = _position(trial, step)
+    return None if position is None else position[0]
 
 
 def candidate_at(trial: dict, step: int) -> str | None:
     """The candidate that sends step `step`, None outside the trial."""
-    round_ = round_at(trial, step)
-    if round_ is None:
-        return None
-    order = trial["order"][round_] if "order" in trial else trial["names"]  # a trial planned before the shuffle
-    return order[(step - trial["start"]) // trial["block"] % len(order)]
+    position = _position(trial, step)
+    return None if position is None else orders(trial)[position[0]][position[1]]
 
 
 def counted(trial: dict, step: int) -> bool:
@@ -128,10 +151,22 @@ def all_plain(trial: dict) -> str | None:
     return next((name for name in trial["names"] if set(trial["choices"][name]) == {"plain"}), None)
 
 
+def clear_gain(ratios: list[float]) -> bool:
+    """Whether a candidate's step times as ratios to plain's, round by round, show a gain beyond the steps' scatter:
+    quicker in every round, or (from 3 rounds) a mean log-ratio CLEAR_Z standard errors below 0."""
+    if max(ratios) < 1:
+        return True
+    if len(ratios) < 3:
+        return False
+    logs = [math.log(ratio) for ratio in ratios]
+    return statistics.fmean(logs) + CLEAR_Z * statistics.stdev(logs) / math.sqrt(len(logs)) < 0
+
+
 def verdict(trial: dict, step_seconds: dict[int, float], group, device: torch.device) -> dict:
-    """The trial with its measured step times and the chosen candidate, the same on every rank. step_seconds: this
-    rank's measured steps (step -> seconds); one allreduce (MAX) combines the ranks' times per candidate and round."""
-    names, rounds = trial["names"], trial["rounds"]
+    """The trial with its measured step times and the chosen candidate, or, for a close call, with one more round of
+    the challenger and plain (chosen None): the same on every rank. step_seconds: this rank's measured steps (step ->
+    seconds); one allreduce (MAX) combines the ranks' times per candidate and round."""
+    names, rounds, round_orders = trial["names"], trial["rounds"], orders(trial)
     steps: dict[tuple[str, int], list[float]] = {(name, r): [] for name in names for r in range(rounds)}
     for step, seconds in step_seconds.items():
         if counted(trial, step) and step - 1 in step_seconds:  # its switch seen here: not a resumed run's first step
@@ -142,22 +177,35 @@ def verdict(trial: dict, step_seconds: dict[int, float], group, device: torch.de
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)  # a round missing on any rank is missing
     values = tensor.cpu().tolist()
     per_round = {name: values[i * rounds:(i + 1) * rounds] for i, name in enumerate(names)}
+    for name, combined in (trial.get("round_step_s") or {}).items():  # rounds an earlier verdict combined: as then
+        per_round[name][:len(combined)] = [math.inf if s is None else s for s in combined]
     plain = all_plain(trial)  # "model" where the model's own choice is plain for every bucket
     reference = plain or (MODEL if MODEL in names else names[0])
-    whole = [r for r in range(rounds) if all(math.isfinite(per_round[name][r]) for name in names)
+    whole = [r for r in range(rounds) if all(math.isfinite(per_round[name][r]) for name in round_orders[r])
              and per_round[reference][r] > 0]
+    challenger, more = trial.get("challenger"), False
     if not whole:  # no round measured whole on every rank (a run resumed late in the trial): the model's choice
         chosen = MODEL if MODEL in names else names[0]
     else:
-        ratios = {name: [per_round[name][r] / per_round[reference][r] for r in whole] for name in names}
-        chosen = min(names, key=lambda name: statistics.median(ratios[name]))  # the first of equals
-        if plain is not None and not (statistics.median(ratios[chosen]) < 1 - PLAIN_PREFERENCE and
-                                      max(ratios[chosen]) < 1):
-            chosen = plain
+        ratios = {name: [per_round[name][r] / per_round[reference][r] for r in whole if name in round_orders[r]]
+                  for name in names}
+        if challenger is None:  # the first verdict: the smallest median ratio (the first of equals)
+            challenger = min((name for name in names if ratios[name]), key=lambda name: statistics.median(ratios[name]))
+        chosen = challenger
+        if plain is not None:
+            gain = statistics.median(ratios[challenger]) < 1 - PLAIN_PREFERENCE
+            if not (gain and clear_gain(ratios[challenger])):
+                chosen = plain
+                more = gain and rounds < trial.get("max_rounds", rounds)  # a close call: one more round
     measured = {name: [s for s in per_round[name] if math.isfinite(s)] for name in names}
-    return {**trial, "measured_step_s": {name: statistics.median(s) if s else None for name, s in measured.items()},
-            "round_step_s": {name: [s if math.isfinite(s) else None for s in per_round[name]] for name in names},
-            "chosen": chosen}
+    result = {**trial, "measured_step_s": {name: statistics.median(s) if s else None for name, s in measured.items()},
+              "round_step_s": {name: [s if math.isfinite(s) else None for s in per_round[name]] for name in names},
+              "challenger": challenger, "chosen": chosen}
+    if more:
+        order = [challenger, plain]
+        random.Random(f"gradcomp trial {trial['start']} {rounds}").shuffle(order)  # alike on every rank
+        result.update(rounds=rounds + 1, order=round_orders + [order], chosen=None)
+    return result
 
 
 def describe(trial: dict | None) -> list[str]:
@@ -166,8 +214,12 @@ def describe(trial: dict | None) -> list[str]:
         return []
     names = ", ".join(f"{name} ({'/'.join(sorted(set(trial['choices'][name])))})" for name in trial["names"])
     order = "a shuffled order" if "order" in trial else "the shortlist's order"  # the latter: planned by an earlier gradcomp
-    lines = [f"trial from step {trial['start']}, {trial['rounds']} rounds of {trial['block']} steps per candidate, "
+    first = trial.get("first_rounds", trial["rounds"])
+    lines = [f"trial from step {trial['start']}, {first} rounds of {trial['block']} steps per candidate, "
              f"in {order} (the first of each block uncounted): {names}"]
+    if trial["rounds"] > first:
+        lines.append(f"a close call: {trial['rounds'] - first} more rounds of {trial['challenger']} and plain alone "
+                     f"(up to {trial['max_rounds']} in all)")
     if trial["chosen"] is None:
         lines.append("trial under way: each bucket's choice above is that of this step's candidate")
         return lines
@@ -177,6 +229,7 @@ def describe(trial: dict | None) -> list[str]:
     rounds = "; ".join(f"{name} " + "/".join("-" if s is None else f"{s * 1e3:.1f}" for s in seconds)
                        for name, seconds in (trial.get("round_step_s") or {}).items())
     if rounds:
-        lines.append(f"per round (ms): {rounds}; compression is taken over plain only where it was quicker in every "
-                     f"round, and by more than {PLAIN_PREFERENCE:.0%} in the median")
+        lines.append(f"per round (ms): {rounds}; compression is taken over plain only where it was quicker by more "
+                     f"than {PLAIN_PREFERENCE:.0%} in the median, and in every round or with a mean log-ratio "
+                     f"{CLEAR_Z:g} standard errors below plain's")
     return lines

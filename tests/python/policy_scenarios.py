@@ -41,14 +41,18 @@ def skewed(rank: int, skew: float, seen: list):
 
 
 def scripted_trial(rank: int, seconds: dict):
-    """Makes the trial's measured steps what seconds says: {candidate: [this rank's seconds per rank]} (every step of
-    a candidate alike), recording nothing else; and keeps the whole shortlist (no pruning)."""
+    """Makes the trial's measured steps what seconds says: {candidate: [this rank's seconds per rank]}, each either one
+    number (every step of the candidate alike) or a list per round (its last for later rounds), recording nothing
+    else; and keeps the whole shortlist (no pruning)."""
     policy_trial.PRUNE = float("inf")
     verdict = policy_trial.verdict
 
+    def at(step, trial):
+        value = seconds[policy_trial.candidate_at(trial, step)][rank]
+        return value[min(policy_trial.round_at(trial, step), len(value) - 1)] if isinstance(value, list) else value
+
     def scripted(trial, step_seconds, group, device):
-        fake = {step: seconds[policy_trial.candidate_at(trial, step)][rank] for step in step_seconds
-                if policy_trial.candidate_at(trial, step) is not None}
+        fake = {step: at(step, trial) for step in step_seconds if policy_trial.candidate_at(trial, step) is not None}
         return verdict(trial, fake, group, device)
 
     policy_trial.verdict = scripted

@@ -144,7 +144,10 @@ def test_policy_quick_mode_times_every_option_and_the_policy(tmp_path):
             assert len(policy["choices"]) == report["rounds"]  # the schemes it chose, each round
             assert all(set(c) <= {"plain", "allgather", "two-phase"} for c in policy["choices"])
             # timed after its trial: the candidate that stood each round (None where the shortlist held one)
-            assert len(policy["trial"]) == report["rounds"]
+            assert len(policy["trial"]) == len(policy["trial_rounds"]) == report["rounds"]
+            # the rounds its trial ran (close calls add some), None where there was no trial
+            assert [r is None for r in policy["trial_rounds"]] == [t is None for t in policy["trial"]]
+            assert all(r is None or r >= 2 for r in policy["trial_rounds"])
             assert set(policy["trial"]) <= {None, "model", "plain", "allgather", "two-phase"}
             assert policy["predicted_exposed_ms"] is not None and policy["measured_exposed_ms"] >= 0
             assert 0 <= policy["spread"] and policy["vs_limit"] > 0

@@ -307,26 +307,39 @@ SWITCH_SECONDS = 100.0  # each block's first step (the switch): far slower than 
 
 def _scripted_verdict(trial: dict, steps: dict[str, list[float]]) -> dict:
     """The verdict of one rank whose counted trial steps took, per candidate, the scripted seconds round by round
-    (None: that step and its switch not measured, as in a run resumed after them)."""
-    counted = [s for s in range(policy_trial.length(trial)) if policy_trial.counted(trial, s)]
+    (None: that step and its switch not measured, as in a run resumed after them), taken again after each round a
+    close call adds, until it stands; every scripted time must be used."""
     queues = {name: list(seconds) for name, seconds in steps.items()}
-    seconds = {}
-    for step in counted:
-        scripted = queues[policy_trial.candidate_at(trial, step)].pop(0)
-        if scripted is not None:
-            seconds.update({step - 1: SWITCH_SECONDS, step: scripted})
+    seconds, scripted_up_to = {}, 0
+    while True:
+        for step in range(scripted_up_to, policy_trial.length(trial)):
+            if policy_trial.counted(trial, step):
+                scripted = queues[policy_trial.candidate_at(trial, step)].pop(0)
+                if scripted is not None:
+                    seconds.update({step - 1: SWITCH_SECONDS, step: scripted})
+        scripted_up_to = policy_trial.length(trial)
+        trial = policy_trial.verdict(trial, seconds, None, torch.device("cpu"))
+        if trial["chosen"] is not None:
+            break
     assert not any(queues.values())  # every scripted time was used: one counted step per candidate and round
-    return policy_trial.verdict(trial, seconds, None, torch.device("cpu"))
+    return trial
 
 
-def test_the_verdict_keeps_plain_unless_the_candidate_was_quicker_in_every_round(monkeypatch):
-    """Compression replaces plain only where it beat plain's step of the same round, every round, and by over 2% in
-    the median: a machine whose speed drifts between rounds moves both alike."""
+def _one_bucket_trial(monkeypatch, trial_steps=4):
+    """A trial of the model's choice (allgather for the one bucket) against plain, on one rank."""
     monkeypatch.setattr(policy_trial.dist, "get_world_size", lambda group=None: 1)
     decision = {"step": 0, "options": ["plain", "allgather"], "buckets": [{"choice": "allgather"}],
                 "predicted_exposed_s": {"policy": 0.1, "plain": 0.2, "allgather": 0.1}}
-    trial = policy_trial.plan(decision, 4, plain_step_s=None)
-    assert trial["names"] == ["model", "plain"]  # the model's choice is allgather for the one bucket
+    trial = policy_trial.plan(decision, trial_steps, plain_step_s=None)
+    assert trial["names"] == ["model", "plain"]
+    return trial
+
+
+def test_the_verdict_keeps_plain_unless_the_candidates_gain_is_clear_of_the_rounds_scatter(monkeypatch):
+    """Compression replaces plain only where it beat plain's step of the same round by over 2% in the median, and in
+    every round or by a mean log-ratio two standard errors below 0: a machine whose speed drifts between rounds moves
+    both alike."""
+    trial = _one_bucket_trial(monkeypatch)
 
     def verdict(model_steps, plain_steps):
         return _scripted_verdict(trial, {"model": model_steps, "plain": plain_steps})
@@ -334,22 +347,67 @@ def test_the_verdict_keeps_plain_unless_the_candidate_was_quicker_in_every_round
     drifting = verdict([2.0, 3.0, 4.0, 5.0], [2.2, 3.3, 4.4, 5.5])  # the machine slows down; the model's 10% holds
     assert drifting["chosen"] == "model" and drifting["measured_step_s"] == {"model": 3.5, "plain": 3.85}
     assert drifting["round_step_s"] == {"model": [2.0, 3.0, 4.0, 5.0], "plain": [2.2, 3.3, 4.4, 5.5]}
-    lost_a_round = verdict([2.0, 3.1, 2.1, 2.2], [2.5, 3.0, 2.6, 2.7])  # median 2.15 against 2.65, one round lost
-    assert lost_a_round["chosen"] == "plain"
+    assert drifting["rounds"] == 4 and drifting["challenger"] == "model"
+    # ratios 0.80, 1.03, 0.81, 0.81: one round lost, but a 19% gain three times is clear (the mean log-ratio is
+    # -0.15, its standard error 0.06)
+    lost_a_round = verdict([2.0, 3.1, 2.1, 2.2], [2.5, 3.0, 2.6, 2.7])
+    assert lost_a_round["chosen"] == "model" and lost_a_round["rounds"] == 4
     close = verdict([2.95, 2.95, 2.95, 2.95], [3.0, 3.0, 3.0, 3.0])  # quicker every round, by under 2%
-    assert close["chosen"] == "plain"
+    assert close["chosen"] == "plain" and close["rounds"] == 4  # no gain to look into: no round added
+    slower = verdict([3.1, 2.8, 3.2, 3.1], [3.0, 3.0, 3.0, 3.0])
+    assert slower["chosen"] == "plain" and slower["rounds"] == 4
     lines = "\n".join(policy_trial.describe(drifting))
     assert "model 2000.0/3000.0/4000.0/5000.0; plain 2200.0/3300.0/4400.0/5500.0" in lines and \
-        "chosen: model" in lines
+        "chosen: model" in lines and "close call" not in lines
+
+
+def test_a_close_call_adds_rounds_of_the_challenger_and_plain_until_its_gain_is_clear_or_gone(monkeypatch):
+    """Four rounds whose ratios scatter (0.93, 1.06, 0.87, 0.88) show a gain in the median but not a clear one: the
+    trial adds rounds of the challenger and plain alone, the verdict taken after each, until the gain is clear, the
+    median gain is gone, or EXTEND x trial_steps rounds have run; then plain stands."""
+    trial = _one_bucket_trial(monkeypatch)
+    model, plain = [2.8, 3.4, 2.7, 2.9], [3.0, 3.2, 3.1, 3.3]
+    assert not policy_trial.clear_gain([m / p for m, p in zip(model, plain)])
+    cleared = _scripted_verdict(trial, {"model": model + [2.7], "plain": plain + [3.0]})
+    assert cleared["chosen"] == "model" and cleared["rounds"] == 5 and cleared["challenger"] == "model"
+    assert sorted(cleared["order"][4]) == ["model", "plain"]
+    assert cleared["round_step_s"]["model"] == model + [2.7]
+    gone = _scripted_verdict(trial, {"model": model + [3.3, 3.3], "plain": plain + [3.0, 3.0]})
+    assert gone["chosen"] == "plain" and gone["rounds"] == 6  # the median ratio rose to 1.0: plain stands
+    scatter = [3.45, 2.4] * 4  # ratios 1.15 and 0.8 in turn: the median gain stays, never clear
+    capped = _scripted_verdict(trial, {"model": model + scatter, "plain": plain + [3.0] * 8})
+    assert capped["chosen"] == "plain" and capped["rounds"] == capped["max_rounds"] == 12
+    lines = "\n".join(policy_trial.describe(capped))
+    assert "a close call: 8 more rounds of model and plain alone (up to 12 in all)" in lines
+    assert "model 2800.0/3400.0/2700.0/2900.0/3450.0/2400.0" in lines
+
+    # the schedule: rounds added after the first four hold two blocks each, switch then measured step
+    assert policy_trial.length(gone) == 4 * 2 * 2 + 2 * 2 * 2
+    assert [policy_trial.round_at(gone, s) for s in (15, 16, 19, 20, 23, 24)] == [3, 4, 4, 5, 5, None]
+    assert [s for s in range(16, 24) if policy_trial.counted(gone, s)] == [17, 19, 21, 23]
+    assert policy_trial.candidate_at(gone, 24) is None
+
+    two_rounds = _one_bucket_trial(monkeypatch, trial_steps=2)  # with two rounds, only a gain in both is clear
+    assert _scripted_verdict(two_rounds, {"model": [2.0, 3.1, 2.0, 2.0], "plain": [3.0] * 4})["chosen"] == "model"
+
+
+def test_a_trial_planned_by_an_earlier_gradcomp_runs_its_blocks_in_the_shortlists_order_and_adds_no_round(monkeypatch):
+    """A trial saved before the shuffle and the close calls (blocks of 3, no order, no round limit) still runs."""
+    trial = _one_bucket_trial(monkeypatch)
+    old = {key: value for key, value in trial.items() if key not in ("order", "first_rounds", "max_rounds",
+                                                                     "challenger")}
+    old.update(block=3, rounds=2)
+    assert [policy_trial.candidate_at(old, s) for s in range(13)] == ["model"] * 3 + ["plain"] * 3 + \
+        ["model"] * 3 + ["plain"] * 3 + [None]
+    verdict = _scripted_verdict(old, {"model": [2.8, 2.8, 3.4, 3.4], "plain": [3.0, 3.0, 3.2, 3.2]})
+    assert verdict["chosen"] == "plain" and verdict["rounds"] == 2  # a close call, but no room for more rounds
+    assert "in the shortlist's order" in "\n".join(policy_trial.describe(verdict))
 
 
 def test_the_verdict_counts_only_the_rounds_measured_whole(monkeypatch):
     """A run resumed during the trial measured only its later steps: the rounds it has whole decide; with none, the
     model's choice stands."""
-    monkeypatch.setattr(policy_trial.dist, "get_world_size", lambda group=None: 1)
-    decision = {"step": 0, "options": ["plain", "allgather"], "buckets": [{"choice": "allgather"}],
-                "predicted_exposed_s": {"policy": 0.1, "plain": 0.2, "allgather": 0.1}}
-    trial = policy_trial.plan(decision, 4, plain_step_s=None)
+    trial = _one_bucket_trial(monkeypatch)
     # rounds 0 and 1 lost the model its gain; only rounds 2 and 3 were measured whole
     resumed = _scripted_verdict(trial, {"model": [None, 9.0, 2.0, 2.1], "plain": [1.0, None, 3.0, 3.0]})
     assert resumed["chosen"] == "model" and resumed["round_step_s"]["model"] == [None, 9.0, 2.0, 2.1]
@@ -360,6 +418,21 @@ def test_the_verdict_counts_only_the_rounds_measured_whole(monkeypatch):
     alone = policy_trial.verdict(trial, {first_counted: 1.0}, None, torch.device("cpu"))
     assert alone["round_step_s"][policy_trial.candidate_at(trial, first_counted)][0] is None
 
+    # a close call: its first verdict combined rounds 0-3 and added round 4; a run resumed after that verdict measures
+    # round 4 alone, and the saved rounds still count (alone, round 4's 10% gain would be clear)
+    first_four = {s: seconds for s, seconds in zip(range(16), [100.0, 2.8, 100.0, 3.0, 100.0, 3.4, 100.0, 3.2,
+                                                               100.0, 2.7, 100.0, 3.1, 100.0, 2.9, 100.0, 3.3])}
+    trial["order"] = [["model", "plain"]] * 4  # unshuffled, to script the steps above
+    close_call = policy_trial.verdict(trial, first_four, None, torch.device("cpu"))
+    assert close_call["chosen"] is None and close_call["rounds"] == 5
+    round_four = {s: 100.0 for s in range(16, 20)}
+    round_four.update({s: 2.7 if policy_trial.candidate_at(close_call, s) == "model" else 3.0 for s in (17, 19)})
+    resumed_late = policy_trial.verdict(close_call, round_four, None, torch.device("cpu"))
+    assert resumed_late["round_step_s"] == {"model": [2.8, 3.4, 2.7, 2.9, 2.7], "plain": [3.0, 3.2, 3.1, 3.3, 3.0]}
+    assert resumed_late["chosen"] == "model"  # the rounds' log-ratios: mean -0.08, standard error 0.04
+    forgot = policy_trial.verdict({**close_call, "round_step_s": None}, round_four, None, torch.device("cpu"))
+    assert forgot["round_step_s"]["model"] == [None] * 4 + [2.7]
+
 
 def test_the_verdict_guards_plain_where_the_models_own_choice_is_plain_for_every_bucket(monkeypatch):
     """The shortlist lists all-plain once, as "model" where that is the model's choice; the rule still holds."""
@@ -369,10 +442,11 @@ def test_the_verdict_guards_plain_where_the_models_own_choice_is_plain_for_every
     trial = policy_trial.plan(decision, 4, plain_step_s=None)
     assert trial["names"] == ["model", "allgather"] and policy_trial.all_plain(trial) == "model"
 
-    def verdict(allgather_steps):
-        return _scripted_verdict(trial, {"model": [3.0, 3.2, 3.1, 3.3], "allgather": allgather_steps})
+    def verdict(allgather_steps, plain_steps=(3.0, 3.2, 3.1, 3.3)):
+        return _scripted_verdict(trial, {"model": list(plain_steps), "allgather": allgather_steps})
 
-    assert verdict([2.8, 3.4, 2.7, 2.9])["chosen"] == "model"  # median 2.85 against 3.15, one round lost
+    # median 2.85 against 3.15, one round lost: a close call; two more rounds with allgather slower end it
+    assert verdict([2.8, 3.4, 2.7, 2.9, 3.3, 3.3], [3.0, 3.2, 3.1, 3.3, 3.0, 3.0])["chosen"] == "model"
     assert verdict([2.96, 3.15, 3.05, 3.25])["chosen"] == "model"  # quicker every round, under 2%
     assert verdict([2.0, 2.9, 2.1, 2.2])["chosen"] == "allgather"  # quicker every round, by 10-33%
 
@@ -410,6 +484,33 @@ def test_the_trial_runs_each_candidate_in_turn_and_every_rank_keeps_the_fastest_
         assert results[0]["schemes_per_step"][step] == expected, step
     assert_nothing_lost(results, steps, replicas=world)
     assert "chosen: allgather" in results[0]["explain"]
+
+
+# Per rank, per round: allgather's gain over plain (3.0 s) is lost in round 1, so two rounds do not settle it; the
+# rounds added for the close call (allgather and plain alone) make it clear after round 3. Rank 1 is the slower.
+CLOSE_CALL_SECONDS = {"model": [2.9, 2.9], "plain": [3.0, 3.0], "two-phase": [2.95, 2.95],
+                      "allgather": [[2.0, 3.2, 2.0, 2.1], [2.1, 3.3, 2.1, 2.2]]}
+
+
+def test_a_close_call_runs_its_added_rounds_on_every_rank_alike_and_loses_nothing():
+    world, steps = 2, 34
+    results = unwrap(run_ranks(scenarios.recorded, world, ("signsgd", {"trial_steps": 2}, steps,
+                                                           [["two-phase", "plain"]], None, CLOSE_CALL_SECONDS),
+                               timeout=300))
+    decision = results[0]["stats"]["decision"]
+    trial = decision["trial"]
+    assert trial["names"] == ["model", "plain", "allgather", "two-phase"]
+    assert trial["rounds"] == 4 and trial["first_rounds"] == 2 and trial["challenger"] == "allgather"
+    assert trial["round_step_s"]["allgather"] == [2.1, 3.3, 2.1, 2.2]  # the slower rank's
+    assert trial["round_step_s"]["two-phase"] == [2.95, 2.95, None, None]  # not in the added rounds
+    assert trial["chosen"] == "allgather" and all(r["stats"]["decision"] == decision for r in results)
+    indices = [b["index"] for b in decision["buckets"]]
+    for step in range(decision["step"], steps):
+        name = policy_trial.candidate_at(trial, step) or trial["chosen"]
+        assert results[0]["schemes_per_step"][step] == dict(zip(indices, trial["choices"][name])), step
+    assert policy_trial.candidate_at(trial, steps - 1) is None  # the run went past the trial
+    assert_nothing_lost(results, steps, replicas=world)
+    assert "a close call: 2 more rounds of allgather and plain alone (up to 6 in all)" in results[0]["explain"]
 
 
 def test_a_run_resumed_during_the_trial_follows_its_schedule_bit_for_bit(tmp_path):
