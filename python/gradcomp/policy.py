@@ -35,7 +35,8 @@ Then the run tries the model's shortlist for a few steps each and keeps the fast
 where its gain over plain is clear of the rounds' scatter (gradcomp.trial; trial_steps=0 leaves the model's choice).
 Known limits (benchmarks/README.md, policy.py): the hook's per-step work on busy cores is not in the dry runs, and
 compute on the collectives' callbacks is taken to hold the link; on shared CPU cores the model under-predicts.
-On a GPU every time is a pair of CUDA events, read at the decision (one sync), none per step.
+On a GPU every time is a pair of CUDA events, read at the decision and at each of the trial's verdicts (one sync
+each), none per step.
 """
 
 from __future__ import annotations
@@ -289,7 +290,8 @@ def choose(ready: list[float], options: list[dict]) -> list[str]:
 
 
 class Clock:
-    """Host seconds on the CPU; CUDA events on a GPU, read at the decision (one sync)."""
+    """Host seconds on the CPU; CUDA events on a GPU, read at the decision and at the trial's verdicts (one sync
+    each)."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"

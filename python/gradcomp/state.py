@@ -554,7 +554,7 @@ class CompressionState(StateCheckpoints):
         name = policy_trial.candidate_at(trial, self.iter)
         if name is None:
             time_policy.Clock(buffer.device).sync()  # on a GPU, the trial's events are read now: one wait per verdict
-            trial = policy_trial.verdict(trial, self._timings.step_seconds(), step.group, buffer.device)
+            trial = policy_trial.verdict(trial, self._timings.step_seconds(), step.group, buffer.device, self.iter)
             self._decision["trial"] = trial
             name = trial["chosen"] or policy_trial.candidate_at(trial, self.iter)  # a close call: one more round
             if trial["chosen"] is not None:

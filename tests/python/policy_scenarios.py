@@ -51,9 +51,9 @@ def scripted_trial(rank: int, seconds: dict):
         value = seconds[policy_trial.candidate_at(trial, step)][rank]
         return value[min(policy_trial.round_at(trial, step), len(value) - 1)] if isinstance(value, list) else value
 
-    def scripted(trial, step_seconds, group, device):
+    def scripted(trial, step_seconds, group, device, now=None):
         fake = {step: at(step, trial) for step in step_seconds if policy_trial.candidate_at(trial, step) is not None}
-        return verdict(trial, fake, group, device)
+        return verdict(trial, fake, group, device, now)
 
     policy_trial.verdict = scripted
 

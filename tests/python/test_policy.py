@@ -337,8 +337,7 @@ def _one_bucket_trial(monkeypatch, trial_steps=4):
 
 def test_the_verdict_keeps_plain_unless_the_candidates_gain_is_clear_of_the_rounds_scatter(monkeypatch):
     """Compression replaces plain only where it beat plain's step of the same round by over 2% in the median, and in
-    every round or by a mean log-ratio two standard errors below 0: a machine whose speed drifts between rounds moves
-    both alike."""
+    every round or in the mean by a 95% interval: a machine whose speed drifts between rounds moves both alike."""
     trial = _one_bucket_trial(monkeypatch)
 
     def verdict(model_steps, plain_steps):
@@ -348,13 +347,13 @@ def test_the_verdict_keeps_plain_unless_the_candidates_gain_is_clear_of_the_roun
     assert drifting["chosen"] == "model" and drifting["measured_step_s"] == {"model": 3.5, "plain": 3.85}
     assert drifting["round_step_s"] == {"model": [2.0, 3.0, 4.0, 5.0], "plain": [2.2, 3.3, 4.4, 5.5]}
     assert drifting["rounds"] == 4 and drifting["challenger"] == "model"
-    # ratios 0.80, 1.03, 0.81, 0.81: one round lost, but a 19% gain three times is clear (the mean log-ratio is
-    # -0.15, its standard error 0.06)
+    # ratios 0.80, 1.03, 0.81, 0.81: one round lost, but a 19% gain three times is clear (the mean ratio 0.864, its
+    # interval's upper end 0.99)
     lost_a_round = verdict([2.0, 3.1, 2.1, 2.2], [2.5, 3.0, 2.6, 2.7])
     assert lost_a_round["chosen"] == "model" and lost_a_round["rounds"] == 4
     close = verdict([2.95, 2.95, 2.95, 2.95], [3.0, 3.0, 3.0, 3.0])  # quicker every round, by under 2%
-    assert close["chosen"] == "plain" and close["rounds"] == 4  # no gain to look into: no round added
-    slower = verdict([3.1, 2.8, 3.2, 3.1], [3.0, 3.0, 3.0, 3.0])
+    assert close["chosen"] == "plain" and close["rounds"] == 4  # no gain over 2% possible: no round added
+    slower = verdict([3.3, 3.2, 3.4, 3.3], [3.0, 3.0, 3.0, 3.0])
     assert slower["chosen"] == "plain" and slower["rounds"] == 4
     lines = "\n".join(policy_trial.describe(drifting))
     assert "model 2000.0/3000.0/4000.0/5000.0; plain 2200.0/3300.0/4400.0/5500.0" in lines and \
@@ -362,33 +361,70 @@ def test_the_verdict_keeps_plain_unless_the_candidates_gain_is_clear_of_the_roun
 
 
 def test_a_close_call_adds_rounds_of_the_challenger_and_plain_until_its_gain_is_clear_or_gone(monkeypatch):
-    """Four rounds whose ratios scatter (0.93, 1.06, 0.87, 0.88) show a gain in the median but not a clear one: the
-    trial adds rounds of the challenger and plain alone, the verdict taken after each, until the gain is clear, the
-    median gain is gone, or EXTEND x trial_steps rounds have run; then plain stands."""
+    """Four rounds whose ratios scatter (0.93, 1.06, 0.87, 0.88) neither show a gain clearly nor rule one out: the
+    trial adds rounds of the challenger and plain alone, the verdict taken again after each, until the gain is clear,
+    a gain over 2% lies outside the mean ratio's interval, or EXTEND x trial_steps rounds have run; then plain
+    stands."""
     trial = _one_bucket_trial(monkeypatch)
     model, plain = [2.8, 3.4, 2.7, 2.9], [3.0, 3.2, 3.1, 3.3]
-    assert not policy_trial.clear_gain([m / p for m, p in zip(model, plain)])
-    cleared = _scripted_verdict(trial, {"model": model + [2.7], "plain": plain + [3.0]})
-    assert cleared["chosen"] == "model" and cleared["rounds"] == 5 and cleared["challenger"] == "model"
-    assert sorted(cleared["order"][4]) == ["model", "plain"]
-    assert cleared["round_step_s"]["model"] == model + [2.7]
-    gone = _scripted_verdict(trial, {"model": model + [3.3, 3.3], "plain": plain + [3.0, 3.0]})
-    assert gone["chosen"] == "plain" and gone["rounds"] == 6  # the median ratio rose to 1.0: plain stands
-    scatter = [3.45, 2.4] * 4  # ratios 1.15 and 0.8 in turn: the median gain stays, never clear
-    capped = _scripted_verdict(trial, {"model": model + scatter, "plain": plain + [3.0] * 8})
-    assert capped["chosen"] == "plain" and capped["rounds"] == capped["max_rounds"] == 12
+    ratios = [m / p for m, p in zip(model, plain)]
+    assert not policy_trial.clear_gain(ratios) and policy_trial.gain_possible(ratios)
+    cleared = _scripted_verdict(trial, {"model": model + [2.7, 2.7], "plain": plain + [3.0, 3.0]})
+    assert cleared["chosen"] == "model" and cleared["rounds"] == 6 and cleared["challenger"] == "model"
+    assert all(sorted(order) == ["model", "plain"] for order in cleared["order"][4:])
+    assert cleared["round_step_s"]["model"] == model + [2.7, 2.7]
+    gone = _scripted_verdict(trial, {"model": model + [3.3] * 7, "plain": plain + [3.0] * 7})
+    assert gone["chosen"] == "plain" and gone["rounds"] == 11  # 10% slower seven times: no gain left to find
+    scatter = [3.45, 2.4] * 6  # ratios 1.15 and 0.8 in turn: neither clear nor ruled out
+    capped = _scripted_verdict(trial, {"model": model + scatter, "plain": plain + [3.0] * 12})
+    assert capped["chosen"] == "plain" and capped["rounds"] == capped["max_rounds"] == 16
     lines = "\n".join(policy_trial.describe(capped))
-    assert "a close call: 8 more rounds of model and plain alone (up to 12 in all)" in lines
+    assert "a close call: 12 more rounds of model and plain alone (up to 16 in all)" in lines
     assert "model 2800.0/3400.0/2700.0/2900.0/3450.0/2400.0" in lines
 
     # the schedule: rounds added after the first four hold two blocks each, switch then measured step
-    assert policy_trial.length(gone) == 4 * 2 * 2 + 2 * 2 * 2
-    assert [policy_trial.round_at(gone, s) for s in (15, 16, 19, 20, 23, 24)] == [3, 4, 4, 5, 5, None]
-    assert [s for s in range(16, 24) if policy_trial.counted(gone, s)] == [17, 19, 21, 23]
-    assert policy_trial.candidate_at(gone, 24) is None
+    assert policy_trial.length(cleared) == 4 * 2 * 2 + 2 * 2 * 2
+    assert [policy_trial.round_at(cleared, s) for s in (15, 16, 19, 20, 23, 24)] == [3, 4, 4, 5, 5, None]
+    assert [s for s in range(16, 24) if policy_trial.counted(cleared, s)] == [17, 19, 21, 23]
+    assert policy_trial.candidate_at(cleared, 24) is None
 
+    # a verdict taken late (past the step where the added round would start) adds none: plain stands
+    late = policy_trial.verdict(trial, {}, None, torch.device("cpu"), now=policy_trial.length(trial) + 1)
+    assert late["chosen"] == "model" and late["rounds"] == 4  # nothing measured: the model's choice
     two_rounds = _one_bucket_trial(monkeypatch, trial_steps=2)  # with two rounds, only a gain in both is clear
-    assert _scripted_verdict(two_rounds, {"model": [2.0, 3.1, 2.0, 2.0], "plain": [3.0] * 4})["chosen"] == "model"
+    both = _scripted_verdict(two_rounds, {"model": [2.0, 2.0], "plain": [3.0, 3.0]})
+    assert both["chosen"] == "model" and both["rounds"] == 2
+    one = _scripted_verdict(two_rounds, {"model": [2.0, 3.1, 2.0, 2.0], "plain": [3.0] * 4})
+    assert one["chosen"] == "model" and one["rounds"] == 4  # two rounds added: every round but one by 33%
+
+
+def test_added_rounds_of_two_follow_rounds_of_every_candidate(monkeypatch):
+    """With three candidates, the first rounds hold three blocks each and the added ones two: each step's round,
+    candidate and count."""
+    monkeypatch.setattr(policy_trial.dist, "get_world_size", lambda group=None: 1)
+    decision = {"step": 10, "options": ["plain", "allgather", "two-phase"], "buckets": [{"choice": "allgather"}],
+                "predicted_exposed_s": {"policy": 0.1, "plain": 0.2, "allgather": 0.1, "two-phase": 0.3}}
+    trial = policy_trial.plan(decision, 2, plain_step_s=None)
+    assert trial["names"] == ["model", "plain", "two-phase"] and policy_trial.length(trial) == 12
+    seconds = {"model": [2.0, 3.2], "plain": [3.0, 3.0], "two-phase": [3.5, 3.5]}
+    steps = {s: 100.0 for s in range(10, 22)}
+    for s in range(10, 22):
+        if policy_trial.counted(trial, s):
+            steps[s] = seconds[policy_trial.candidate_at(trial, s)][policy_trial.round_at(trial, s)]
+    close_call = policy_trial.verdict(trial, steps, None, torch.device("cpu"), now=22)
+    assert close_call["chosen"] is None and close_call["rounds"] == 3 and close_call["challenger"] == "model"
+    assert policy_trial.length(close_call) == 16 and sorted(close_call["order"][2]) == ["model", "plain"]
+    assert [policy_trial.round_at(close_call, s) for s in (9, 10, 15, 16, 21, 22, 25, 26)] == \
+        [None, 0, 0, 1, 1, 2, 2, None]
+    assert [s for s in range(10, 26) if policy_trial.counted(close_call, s)] == list(range(11, 26, 2))
+    added = [policy_trial.candidate_at(close_call, s) for s in range(22, 26)]
+    assert added[0] == added[1] != added[2] == added[3] and sorted({*added}) == ["model", "plain"]
+    assert close_call["round_step_s"] == {"model": [2.0, 3.2], "plain": [3.0, 3.0], "two-phase": [3.5, 3.5]}
+    steps.update({s: 100.0 for s in range(22, 26)})
+    steps.update({s: 2.0 if policy_trial.candidate_at(close_call, s) == "model" else 3.0 for s in (23, 25)})
+    again = policy_trial.verdict(close_call, steps, None, torch.device("cpu"), now=26)
+    assert again["round_step_s"] == {"model": [2.0, 3.2, 2.0], "plain": [3.0, 3.0, 3.0], "two-phase": [3.5, 3.5, None]}
+    assert again["chosen"] is None and again["rounds"] == 4  # ratios 0.67, 1.07, 0.67: not clear yet
 
 
 def test_a_trial_planned_by_an_earlier_gradcomp_runs_its_blocks_in_the_shortlists_order_and_adds_no_round(monkeypatch):
@@ -399,7 +435,7 @@ def test_a_trial_planned_by_an_earlier_gradcomp_runs_its_blocks_in_the_shortlist
     old.update(block=3, rounds=2)
     assert [policy_trial.candidate_at(old, s) for s in range(13)] == ["model"] * 3 + ["plain"] * 3 + \
         ["model"] * 3 + ["plain"] * 3 + [None]
-    verdict = _scripted_verdict(old, {"model": [2.8, 2.8, 3.4, 3.4], "plain": [3.0, 3.0, 3.2, 3.2]})
+    verdict = _scripted_verdict(old, {"model": [2.7, 2.7, 3.3, 3.3], "plain": [3.0, 3.0, 3.2, 3.2]})
     assert verdict["chosen"] == "plain" and verdict["rounds"] == 2  # a close call, but no room for more rounds
     assert "in the shortlist's order" in "\n".join(policy_trial.describe(verdict))
 
@@ -418,20 +454,22 @@ def test_the_verdict_counts_only_the_rounds_measured_whole(monkeypatch):
     alone = policy_trial.verdict(trial, {first_counted: 1.0}, None, torch.device("cpu"))
     assert alone["round_step_s"][policy_trial.candidate_at(trial, first_counted)][0] is None
 
-    # a close call: its first verdict combined rounds 0-3 and added round 4; a run resumed after that verdict measures
-    # round 4 alone, and the saved rounds still count (alone, round 4's 10% gain would be clear)
+    # a close call: its first verdict (in step 16, round 4's first switch) combined rounds 0-3 and added round 4; a run
+    # resumed after step 16 sees steps 17-19, so round 4 is not whole there (step 17's switch was not seen), but the
+    # saved rounds still count: the same close call, and one more round
     first_four = {s: seconds for s, seconds in zip(range(16), [100.0, 2.8, 100.0, 3.0, 100.0, 3.4, 100.0, 3.2,
                                                                100.0, 2.7, 100.0, 3.1, 100.0, 2.9, 100.0, 3.3])}
     trial["order"] = [["model", "plain"]] * 4  # unshuffled, to script the steps above
     close_call = policy_trial.verdict(trial, first_four, None, torch.device("cpu"))
     assert close_call["chosen"] is None and close_call["rounds"] == 5
-    round_four = {s: 100.0 for s in range(16, 20)}
-    round_four.update({s: 2.7 if policy_trial.candidate_at(close_call, s) == "model" else 3.0 for s in (17, 19)})
-    resumed_late = policy_trial.verdict(close_call, round_four, None, torch.device("cpu"))
-    assert resumed_late["round_step_s"] == {"model": [2.8, 3.4, 2.7, 2.9, 2.7], "plain": [3.0, 3.2, 3.1, 3.3, 3.0]}
-    assert resumed_late["chosen"] == "model"  # the rounds' log-ratios: mean -0.08, standard error 0.04
-    forgot = policy_trial.verdict({**close_call, "round_step_s": None}, round_four, None, torch.device("cpu"))
-    assert forgot["round_step_s"]["model"] == [None] * 4 + [2.7]
+    round_four = {17: 2.7, 18: 100.0, 19: 2.7 if policy_trial.candidate_at(close_call, 19) == "model" else 3.0}
+    resumed_late = policy_trial.verdict(close_call, round_four, None, torch.device("cpu"), now=20)
+    kept = resumed_late["round_step_s"]
+    assert kept["model"][:4] == [2.8, 3.4, 2.7, 2.9] and kept["plain"][:4] == [3.0, 3.2, 3.1, 3.3]
+    assert [kept["model"][4], kept["plain"][4]].count(None) == 1  # only step 19's candidate measured in round 4
+    assert resumed_late["chosen"] is None and resumed_late["rounds"] == 6
+    forgot = policy_trial.verdict({**close_call, "round_step_s": None}, round_four, None, torch.device("cpu"), now=20)
+    assert forgot["round_step_s"]["model"][:4] == [None] * 4 and forgot["chosen"] == "model"  # nothing whole
 
 
 def test_the_verdict_guards_plain_where_the_models_own_choice_is_plain_for_every_bucket(monkeypatch):
@@ -445,8 +483,8 @@ def test_the_verdict_guards_plain_where_the_models_own_choice_is_plain_for_every
     def verdict(allgather_steps, plain_steps=(3.0, 3.2, 3.1, 3.3)):
         return _scripted_verdict(trial, {"model": list(plain_steps), "allgather": allgather_steps})
 
-    # median 2.85 against 3.15, one round lost: a close call; two more rounds with allgather slower end it
-    assert verdict([2.8, 3.4, 2.7, 2.9, 3.3, 3.3], [3.0, 3.2, 3.1, 3.3, 3.0, 3.0])["chosen"] == "model"
+    # median 2.85 against 3.15, one round lost: a close call; seven more rounds with allgather 10% slower end it
+    assert verdict([2.8, 3.4, 2.7, 2.9] + [3.3] * 7, [3.0, 3.2, 3.1, 3.3] + [3.0] * 7)["chosen"] == "model"
     assert verdict([2.96, 3.15, 3.05, 3.25])["chosen"] == "model"  # quicker every round, under 2%
     assert verdict([2.0, 2.9, 2.1, 2.2])["chosen"] == "allgather"  # quicker every round, by 10-33%
 
@@ -487,22 +525,22 @@ def test_the_trial_runs_each_candidate_in_turn_and_every_rank_keeps_the_fastest_
 
 
 # Per rank, per round: allgather's gain over plain (3.0 s) is lost in round 1, so two rounds do not settle it; the
-# rounds added for the close call (allgather and plain alone) make it clear after round 3. Rank 1 is the slower.
+# rounds added for the close call (allgather and plain alone) make it clear after round 4. Rank 1 is the slower.
 CLOSE_CALL_SECONDS = {"model": [2.9, 2.9], "plain": [3.0, 3.0], "two-phase": [2.95, 2.95],
                       "allgather": [[2.0, 3.2, 2.0, 2.1], [2.1, 3.3, 2.1, 2.2]]}
 
 
 def test_a_close_call_runs_its_added_rounds_on_every_rank_alike_and_loses_nothing():
-    world, steps = 2, 34
+    world, steps = 2, 38
     results = unwrap(run_ranks(scenarios.recorded, world, ("signsgd", {"trial_steps": 2}, steps,
                                                            [["two-phase", "plain"]], None, CLOSE_CALL_SECONDS),
                                timeout=300))
     decision = results[0]["stats"]["decision"]
     trial = decision["trial"]
     assert trial["names"] == ["model", "plain", "allgather", "two-phase"]
-    assert trial["rounds"] == 4 and trial["first_rounds"] == 2 and trial["challenger"] == "allgather"
-    assert trial["round_step_s"]["allgather"] == [2.1, 3.3, 2.1, 2.2]  # the slower rank's
-    assert trial["round_step_s"]["two-phase"] == [2.95, 2.95, None, None]  # not in the added rounds
+    assert trial["rounds"] == 5 and trial["first_rounds"] == 2 and trial["challenger"] == "allgather"
+    assert trial["round_step_s"]["allgather"] == [2.1, 3.3, 2.1, 2.2, 2.2]  # the slower rank's
+    assert trial["round_step_s"]["two-phase"] == [2.95, 2.95, None, None, None]  # not in the added rounds
     assert trial["chosen"] == "allgather" and all(r["stats"]["decision"] == decision for r in results)
     indices = [b["index"] for b in decision["buckets"]]
     for step in range(decision["step"], steps):
@@ -510,7 +548,28 @@ def test_a_close_call_runs_its_added_rounds_on_every_rank_alike_and_loses_nothin
         assert results[0]["schemes_per_step"][step] == dict(zip(indices, trial["choices"][name])), step
     assert policy_trial.candidate_at(trial, steps - 1) is None  # the run went past the trial
     assert_nothing_lost(results, steps, replicas=world)
-    assert "a close call: 2 more rounds of allgather and plain alone (up to 6 in all)" in results[0]["explain"]
+    assert "a close call: 3 more rounds of allgather and plain alone (up to 8 in all)" in results[0]["explain"]
+
+
+def test_a_run_resumed_during_a_close_calls_added_rounds_keeps_the_rounds_combined_before_on_every_rank(tmp_path):
+    """Resumed inside a close call, the run keeps the rounds that earlier verdicts combined (saved with the decision);
+    the round it resumed in is not whole there, so it may add one more round than the uninterrupted run, every rank
+    alike."""
+    world, total, split, spec = 2, 44, 22, "signsgd"
+    schedule, options = [["two-phase", "plain"]], {"trial_steps": 2}
+    args = (spec, options, total, split, str(tmp_path))
+    whole = unwrap(run_ranks(scenarios.resume, world, (*args, "whole", schedule, CLOSE_CALL_SECONDS)))
+    first = unwrap(run_ranks(scenarios.resume, world, (*args, "first", schedule, CLOSE_CALL_SECONDS)))
+    rest = unwrap(run_ranks(scenarios.resume, world, (*args, "rest", [["plain"]], CLOSE_CALL_SECONDS)))
+    saved, uninterrupted = first[0]["decision"]["trial"], whole[0]["decision"]["trial"]
+    assert saved["chosen"] is None and saved["rounds"] > saved["first_rounds"]  # saved inside an added round
+    assert uninterrupted["chosen"] == "allgather" and uninterrupted["rounds"] == 5
+    resumed = rest[0]["decision"]["trial"]
+    assert rest[1]["decision"] == rest[0]["decision"] and all(r["choose_calls"] == 0 for r in rest)
+    assert resumed["round_step_s"]["allgather"][:2] == [2.1, 3.3]  # combined before the run stopped
+    assert resumed["chosen"] == "allgather" and resumed["rounds"] == 6  # the round it resumed in, lost and added
+    for a, b in zip(rest[0]["params"], rest[1]["params"]):
+        assert torch.equal(a, b)
 
 
 def test_a_run_resumed_during_the_trial_follows_its_schedule_bit_for_bit(tmp_path):
