@@ -19,12 +19,12 @@ measured fastest:
         allreduce (MAX: the slowest rank sets the pace); each candidate's time as a ratio to plain's in the same
         round, and the candidate with the smallest median ratio, the challenger. Plain stands unless the challenger
         was quicker by more than PLAIN_PREFERENCE in the median, and its gain is clear: it was quicker in every
-        round, or the upper end of a 95% one-sided confidence interval of its mean ratio (Student's t) is under
-        1. The rule takes only sums, products, quotients and a square root (exactly rounded by IEEE 754), so every
-        rank reaches it alike from the same combined times. Plain is whichever candidate sends
-        every bucket plain: the model's choice itself, where that is plain for every bucket (where the shortlist
-        has no plain, the ratios are to the model's choice, and the smallest median stands). A policy that promises
-        never to be slower than plain DDP takes compression only where its gain is clear of the steps' scatter.
+        round, or the upper end of a 95% one-sided confidence interval of its mean ratio (Student's t) is under 1.
+        The rule takes only sums, products, quotients and a square root (exactly rounded by IEEE 754), so every rank
+        reaches it alike from the same combined times. Plain is whichever candidate sends every bucket plain: the
+        model's choice itself, where that is plain for every bucket (where the shortlist has no plain, the ratios
+        are to the model's choice, and the smallest median stands). A policy that promises never to be slower than
+        plain DDP takes compression only where its gain is clear of the steps' scatter.
         A step counts only where its block's switch was measured in the same process (a resumed run's first step,
         its plans laid out anew, does not);
     close calls: where the challenger's gain is not clear, but a gain over PLAIN_PREFERENCE is still possible (the
