@@ -269,6 +269,8 @@ def run(rank: int, world: int, local_rank: int, backend: str, args: argparse.Nam
             save_checkpoint(path, {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch,
                                    "compressor": state.state_dict(), "history": history})
 
+    if is_main and not explained:  # policy="time" whose trial outlasted the run: the decision and the trial so far
+        print(state.explain(), flush=True)
     if is_main:
         total = state.stats()["total"]
         seconds = time.time() - args.started
