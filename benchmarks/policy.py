@@ -231,6 +231,7 @@ def table_rows(runs: dict, codecs: list[str]) -> list[dict]:
                 policy = [e for e in mine if e["config"] == f"{spec} policy"]
                 predictions = [{**e["decision"]["predicted_exposed_s"], "policy": predicted_for_policy(e["decision"])}
                                for e in policy if e["decision"]]
+                trials = [e["decision"].get("trial") or {} for e in policy if e["decision"]]  # {}: no trial
                 fixed_labels = [label for label, s, _ in configurations([spec]) if s == spec and "policy" not in label]
                 fastest_fixed = min(statistics.median(medians[label]) for label in fixed_labels + ["plain DDP"])
                 for label in ["plain DDP", *fixed_labels, f"{spec} policy"]:
@@ -249,10 +250,8 @@ def table_rows(runs: dict, codecs: list[str]) -> list[dict]:
                            "step_minus_limit_ms": 1e3 * (median - limit),
                            "predicted_exposed_ms": 1e3 * statistics.median(predicted) if predicted else None,
                            "choices": [e["schemes"] for e in policy] if label.endswith("policy") else None,
-                           "trial": [(e["decision"].get("trial") or {}).get("chosen") for e in policy if e["decision"]]
-                           if label.endswith("policy") else None,
-                           "trial_rounds": [(e["decision"].get("trial") or {}).get("rounds") for e in policy
-                                            if e["decision"]] if label.endswith("policy") else None}
+                           "trial": [t.get("chosen") for t in trials] if label.endswith("policy") else None,
+                           "trial_rounds": [t.get("rounds") for t in trials] if label.endswith("policy") else None}
                     rows.append(row)
     return rows
 
