@@ -23,16 +23,23 @@ measured fastest:
         The rule takes only sums, products, quotients and a square root (exactly rounded by IEEE 754), so every rank
         reaches it alike from the same combined times. Plain is whichever candidate sends every bucket plain: the
         model's choice itself, where that is plain for every bucket (where the shortlist has no plain, the ratios
-        are to the model's choice, and the smallest median stands). A policy that promises never to be slower than
+        are to the model's choice, and the challenger is taken). A policy that promises never to be slower than
         plain DDP takes compression only where its gain is clear of the steps' scatter.
+        Where compression is taken, the runner-up (the next smallest median ratio) replaces the challenger by the
+        same rule on its ratios to the challenger: compressed candidates often lie within a step's scatter of each
+        other, and the smallest median of four noisy rounds is then a coin's toss (it once took two-phase where
+        allgather was 1.2x quicker in the steps after the trial);
         A step counts only where its block's switch was measured in the same process (a resumed run's first step,
         its plans laid out anew, does not);
-    close calls: where the challenger's gain is not clear, but a gain over PLAIN_PREFERENCE is still possible (the
-        lower end of the mean ratio's interval is under 1 - PLAIN_PREFERENCE, or fewer than 3 rounds), the trial goes
-        on with rounds of the challenger and plain alone (in a shuffled order, one allreduce per round), the verdict
-        taken again after each, up to EXTEND x trial_steps rounds in all; then plain stands. On a shared CPU one
-        step scatters by about 20%, and four pairs cannot show a 10% gain; on a GPU they mostly can, and fewer
-        rounds are added.
+    close calls: where the challenger's gain over plain is not clear, but a gain over PLAIN_PREFERENCE is still
+        possible (the lower end of the mean ratio's interval is under 1 - PLAIN_PREFERENCE, or fewer than 3 rounds),
+        the trial goes on with rounds of the challenger and plain alone (in a shuffled order, one allreduce per
+        round), the verdict taken again after each, up to EXTEND x trial_steps rounds in all; then plain stands.
+        Once compression is taken, the same holds between the challenger and the runner-up: rounds of the two alone
+        while the runner-up's gain is neither clear nor ruled out and the challenger is not clearly quicker; then
+        the challenger stands. Those rounds cost at most the two candidates' difference, which a wrong pick would
+        cost for the rest of the run. On a shared CPU one step scatters by about 20%, and four pairs cannot show a
+        10% gain; on a GPU they mostly can, and fewer rounds are added.
 Every step of the trial is a real training step: a switch hands the error-feedback residuals over as any decision
 does (nothing lost). The schedule is fixed at the decision (and at each round a close call adds), so a run resumed
 during the trial sends each step as the uninterrupted one did until its next verdict; that verdict counts the rounds
@@ -99,7 +106,8 @@ def plan(decision: dict, trial_steps: int, plain_step_s: float | None) -> dict |
         order.append(names[:1] + shuffled if round_ == 0 else shuffled)  # the decision's own step sends the model's
     return {"start": decision["step"], "block": BLOCK, "rounds": trial_steps, "first_rounds": trial_steps,
             "max_rounds": EXTEND * trial_steps,
-            "names": names, "order": order, "challenger": None, "choices": candidates, "plain_step_s": plain_step_s,
+            "names": names, "order": order, "challenger": None, "runner_up": None, "choices": candidates,
+            "plain_step_s": plain_step_s,
             "measured_step_s": None, "round_step_s": None, "chosen": None}
 
 
@@ -169,7 +177,9 @@ def clear_gain(ratios: list[float]) -> bool:
     Added rounds look again, so a false gain is likelier than 5%; but one that is taken lies near plain's time (a
     candidate 5% slower than plain would need its mean measured 2-3 standard errors below plain's), and the median's
     PLAIN_PREFERENCE applies as well. Simulated at 20% scatter per ratio with the close calls' rounds: a true 10%
-    gain is taken about 3 times in 4; a true 5% loss about once in 16."""
+    gain is taken about 3 times in 4; a true 5% loss about once in 16. No rounds: no gain shown."""
+    if not ratios:
+        return False
     if max(ratios) < 1:
         return True
     if len(ratios) < 3:
@@ -187,11 +197,21 @@ def gain_possible(ratios: list[float]) -> bool:
     return mean - margin < 1 - PLAIN_PREFERENCE
 
 
+def clearly_quicker(ratios: list[float]) -> bool:
+    """Whether a candidate whose step times as ratios to another's are `ratios`, round by round, replaces the other:
+    quicker by more than PLAIN_PREFERENCE in the median, and its gain clear of the steps' scatter."""
+    return statistics.median(ratios) < 1 - PLAIN_PREFERENCE and clear_gain(ratios)
+
+
 def verdict(trial: dict, step_seconds: dict[int, float], group, device: torch.device, now: int | None = None) -> dict:
     """The trial with its measured step times and the chosen candidate, or, for a close call, with one more round of
-    the challenger and plain (chosen None), starting at step `now` (the trial's end; None: wherever it ends): the same
-    on every rank. step_seconds: this rank's measured steps (step -> seconds); one allreduce (MAX) combines the ranks'
-    times per candidate and round."""
+    the two candidates it lies between (chosen None), starting at step `now` (the trial's end; None: wherever it
+    ends): the same on every rank. step_seconds: this rank's measured steps (step -> seconds); one allreduce (MAX)
+    combines the ranks' times per candidate and round.
+    Two questions, each a close call until settled: does the challenger (the smallest median ratio to plain) replace
+    plain; and once it has, does the runner-up (the next smallest, compressed too) replace the challenger. Both are
+    answered by clearly_quicker on the two candidates' ratios in the rounds that ran both; the one in place stands
+    where neither a clear gain nor its absence shows by EXTEND x trial_steps rounds."""
     names, rounds, round_orders = trial["names"], trial["rounds"], orders(trial)
     steps: dict[tuple[str, int], list[float]] = {(name, r): [] for name in names for r in range(rounds)}
     for step, seconds in step_seconds.items():
@@ -209,28 +229,43 @@ def verdict(trial: dict, step_seconds: dict[int, float], group, device: torch.de
     reference = plain or (MODEL if MODEL in names else names[0])
     whole = [r for r in range(rounds) if all(math.isfinite(per_round[name][r]) and per_round[name][r] > 0
                                              for name in round_orders[r])]
-    challenger, more = trial.get("challenger"), False
+
+    def ratios(name: str, to: str) -> list[float]:
+        """name's step time over to's, in each round measured whole that ran both."""
+        return [per_round[name][r] / per_round[to][r] for r in whole if name in round_orders[r] and
+                to in round_orders[r]]
+
+    def smallest_median_ratio(among: list[str]) -> str | None:  # the first of equals
+        among = [name for name in among if ratios(name, reference)]
+        return min(among, key=lambda name: statistics.median(ratios(name, reference))) if among else None
+
+    challenger, runner_up, pair = trial.get("challenger"), trial.get("runner_up"), None
     if not whole:  # no round measured whole on every rank (a run resumed late in the trial): the model's choice
         chosen = MODEL if MODEL in names else names[0]
     else:
-        ratios = {name: [per_round[name][r] / per_round[reference][r] for r in whole if name in round_orders[r]]
-                  for name in names}
-        if challenger is None:  # the first verdict: the smallest median ratio (the first of equals)
-            challenger = min((name for name in names if ratios[name]), key=lambda name: statistics.median(ratios[name]))
+        challenger = challenger or smallest_median_ratio(names)  # fixed at the first verdict
         chosen = challenger
-        if plain is not None and not (statistics.median(ratios[challenger]) < 1 - PLAIN_PREFERENCE and
-                                      clear_gain(ratios[challenger])):
-            chosen = plain
-            more = challenger != plain and gain_possible(ratios[challenger]) and \
-                rounds < trial.get("max_rounds", rounds) and now in (None, trial["start"] + length(trial))
+        if plain is not None and challenger != plain and not clearly_quicker(ratios(challenger, plain)):
+            chosen = plain  # compression not (yet) clearly quicker than plain
+            if gain_possible(ratios(challenger, plain)):
+                pair = [challenger, plain]
+        elif challenger != plain:  # compression taken, or no plain to guard: the runner-up may still be quicker
+            runner_up = runner_up or smallest_median_ratio([n for n in names if n not in (challenger, plain)])
+            if runner_up is not None:
+                against = ratios(runner_up, challenger)
+                if clearly_quicker(against):
+                    chosen = runner_up
+                elif gain_possible(against) and not clear_gain([1 / ratio for ratio in against]):
+                    pair = [challenger, runner_up]
+    more = pair is not None and rounds < trial.get("max_rounds", rounds) and \
+        now in (None, trial["start"] + length(trial))
     measured = {name: [s for s in per_round[name] if math.isfinite(s)] for name in names}
     result = {**trial, "measured_step_s": {name: statistics.median(s) if s else None for name, s in measured.items()},
               "round_step_s": {name: [s if math.isfinite(s) else None for s in per_round[name]] for name in names},
-              "challenger": challenger, "chosen": chosen}
+              "challenger": challenger, "runner_up": runner_up, "chosen": chosen}
     if more:
-        order = [challenger, plain]
-        random.Random(f"gradcomp trial {trial['start']} {rounds}").shuffle(order)  # alike on every rank
-        result.update(rounds=rounds + 1, order=round_orders + [order], chosen=None)
+        random.Random(f"gradcomp trial {trial['start']} {rounds}").shuffle(pair)  # alike on every rank
+        result.update(rounds=rounds + 1, order=round_orders + [pair], chosen=None)
     return result
 
 
@@ -244,9 +279,18 @@ def describe(trial: dict | None) -> list[str]:
     lines = [f"trial from step {trial['start']}, {first} rounds of {trial['block']} steps per candidate, "
              f"in {order} (the first of each block uncounted): {names}"]
     if trial["rounds"] > first:
-        plain = all_plain(trial)
-        lines.append(f"a close call: {trial['rounds'] - first} more rounds of {trial['challenger']} and "
-                     f"{'plain' if plain == 'plain' else f'{plain} (plain)'} alone (up to {trial['max_rounds']} in all)")
+        plain, challenger = all_plain(trial), trial["challenger"]
+        against: list[list] = []  # [the challenger's opponent, rounds], in the order run: plain, then the runner-up
+        for added_round in orders(trial)[first:]:
+            opponent = next(name for name in added_round if name != challenger)
+            if against and against[-1][0] == opponent:
+                against[-1][1] += 1
+            else:
+                against.append([opponent, 1])
+        labels = {plain: f"{plain} (plain)"} if plain not in (None, "plain") else {}
+        pairs = [(count, f"{challenger} and {labels.get(name, name)} alone") for name, count in against]
+        added = f" of {pairs[0][1]}" if len(pairs) == 1 else ": " + ", then ".join(f"{n} of {p}" for n, p in pairs)
+        lines.append(f"a close call: {trial['rounds'] - first} more rounds{added} (up to {trial['max_rounds']} in all)")
     if trial["chosen"] is None:
         lines.append("trial under way: each bucket's choice above is that of this step's candidate")
         return lines
@@ -256,7 +300,7 @@ def describe(trial: dict | None) -> list[str]:
     rounds = "; ".join(f"{name} " + "/".join("-" if s is None else f"{s * 1e3:.1f}" for s in seconds)
                        for name, seconds in (trial.get("round_step_s") or {}).items())
     if rounds:
-        lines.append(f"per round (ms): {rounds}; compression is taken over plain only where it was quicker by more "
-                     f"than {PLAIN_PREFERENCE:.0%} in the median, and in every round or clearly in the mean (the upper "
-                     f"end of a 95% interval)")
+        lines.append(f"per round (ms): {rounds}; compression is taken over plain, and the runner-up over the "
+                     f"challenger, only where it was quicker by more than {PLAIN_PREFERENCE:.0%} in the median, and in "
+                     f"every round or clearly in the mean (the upper end of a 95% interval)")
     return lines

@@ -398,6 +398,51 @@ def test_a_close_call_adds_rounds_of_the_challenger_and_plain_until_its_gain_is_
     assert one["chosen"] == "model" and one["rounds"] == 4  # two rounds added: every round but one by 33%
 
 
+def _two_codec_trial(monkeypatch, options=("plain", "allgather", "two-phase")):
+    """A trial of the model's choice (allgather for the one bucket), two-phase and (where options hold it) plain, on one
+    rank."""
+    monkeypatch.setattr(policy_trial.dist, "get_world_size", lambda group=None: 1)
+    decision = {"step": 0, "options": list(options), "buckets": [{"choice": "allgather"}],
+                "predicted_exposed_s": {"policy": 0.1, "plain": 0.2, "allgather": 0.1, "two-phase": 0.1}}
+    return policy_trial.plan(decision, 4, plain_step_s=None)
+
+
+def test_once_compression_is_taken_the_runner_up_replaces_the_challenger_only_where_clearly_quicker(monkeypatch):
+    """Two compressed candidates often lie within a step's scatter of each other: the challenger (the smallest median
+    ratio to plain) stands unless the runner-up is clearly quicker than it, by the rule that guards plain; a close
+    call between them adds rounds of the two alone, after any rounds the challenger needed against plain."""
+    trial = _two_codec_trial(monkeypatch)
+    assert trial["names"] == ["model", "plain", "two-phase"]
+    plain = [3.0] * 4
+    slower = _scripted_verdict(trial, {"model": [2.0, 2.1, 2.2, 2.0], "plain": plain,
+                                       "two-phase": [2.5, 2.6, 2.4, 2.3]})
+    assert (slower["challenger"], slower["runner_up"], slower["chosen"], slower["rounds"]) == \
+        ("model", "two-phase", "model", 4)  # the runner-up slower in every round: no round added
+    alike = _scripted_verdict(trial, {"model": [2.0] * 4, "plain": plain, "two-phase": [2.0] * 4})
+    assert alike["chosen"] == "model" and alike["rounds"] == 4  # no gain over 2% possible: the challenger stands
+
+    # ratios to plain 0.93, 1.06, 0.87, 0.88 (model) against 0.97, 1.03, 0.90, 0.88 (two-phase): the model's choice
+    # is the challenger, a close call against plain settled by two rounds; then two-phase's ratios to it (1.04, 0.97,
+    # 1.04, 1.0) neither show nor rule out a gain, until two-phase's 26% in four rounds of the two alone makes it clear
+    model, plain = [2.8, 3.4, 2.7, 2.9], [3.0, 3.2, 3.1, 3.3]
+    both = _scripted_verdict(trial, {"model": model + [2.7] * 6, "plain": plain + [3.0] * 2,
+                                     "two-phase": [2.9, 3.3, 2.8, 2.9] + [2.0] * 4})
+    assert (both["challenger"], both["runner_up"], both["chosen"], both["rounds"]) == ("model", "two-phase",
+                                                                                       "two-phase", 10)
+    assert [sorted(order) for order in both["order"][4:]] == [["model", "plain"]] * 2 + [["model", "two-phase"]] * 4
+    assert both["round_step_s"]["two-phase"] == [2.9, 3.3, 2.8, 2.9, None, None, 2.0, 2.0, 2.0, 2.0]
+    assert "a close call: 6 more rounds: 2 of model and plain alone, then 4 of model and two-phase alone (up to 16 in " \
+           "all)" in "\n".join(policy_trial.describe(both))
+    # the two-phase gain scatters (ratios 1.3 and 0.75 in turn) to the last round: the challenger stands
+    scatter = [2.6, 1.5] * 6
+    capped = _scripted_verdict(trial, {"model": [2.0, 2.1, 2.2, 2.0] + [2.0] * 12, "plain": [3.0] * 4,
+                                       "two-phase": [2.1, 2.0, 2.3, 1.9] + scatter})
+    assert capped["chosen"] == "model" and capped["rounds"] == capped["max_rounds"] == 16
+    # where plain stands, no runner-up is looked for
+    kept_plain = _scripted_verdict(trial, {"model": [3.3] * 4, "plain": [3.0] * 4, "two-phase": [3.2] * 4})
+    assert kept_plain["chosen"] == "plain" and kept_plain["runner_up"] is None and kept_plain["rounds"] == 4
+
+
 def test_added_rounds_of_two_follow_rounds_of_every_candidate(monkeypatch):
     """With three candidates, the first rounds hold three blocks each and the added ones two: each step's round,
     candidate and count."""
@@ -431,7 +476,7 @@ def test_a_trial_planned_by_an_earlier_gradcomp_runs_its_blocks_in_the_shortlist
     """A trial saved before the shuffle and the close calls (blocks of 3, no order, no round limit) still runs."""
     trial = _one_bucket_trial(monkeypatch)
     old = {key: value for key, value in trial.items() if key not in ("order", "first_rounds", "max_rounds",
-                                                                     "challenger")}
+                                                                     "challenger", "runner_up")}
     old.update(block=3, rounds=2)
     assert [policy_trial.candidate_at(old, s) for s in range(13)] == ["model"] * 3 + ["plain"] * 3 + \
         ["model"] * 3 + ["plain"] * 3 + [None]
@@ -489,16 +534,24 @@ def test_the_verdict_guards_plain_where_the_models_own_choice_is_plain_for_every
     assert verdict([2.0, 2.9, 2.1, 2.2])["chosen"] == "allgather"  # quicker every round, by 10-33%
 
 
-def test_without_plain_on_the_shortlist_the_smallest_median_ratio_to_the_models_choice_stands(monkeypatch):
+def test_without_plain_on_the_shortlist_the_smallest_median_ratio_to_the_models_choice_is_the_challenger(monkeypatch):
+    """With no plain to guard, the challenger is taken at once; only a runner-up clearly quicker replaces it."""
     monkeypatch.setattr(policy_trial.dist, "get_world_size", lambda group=None: 1)
     decision = {"step": 0, "options": ["allgather", "two-phase"], "buckets": [{"choice": "allgather"},
                                                                               {"choice": "two-phase"}],
                 "predicted_exposed_s": {"policy": 0.1, "allgather": 0.2, "two-phase": 0.2}}
     trial = policy_trial.plan(decision, 4, plain_step_s=None)
     assert trial["names"] == ["model", "allgather", "two-phase"] and policy_trial.all_plain(trial) is None
-    verdict = _scripted_verdict(trial, {"model": [3.0, 3.0, 3.0, 3.0], "allgather": [2.9, 3.1, 2.9, 3.1],
-                                        "two-phase": [2.0, 3.5, 2.0, 2.0]})
-    assert verdict["chosen"] == "two-phase"  # no plain to guard: a lost round does not keep the model's choice
+    lost_a_round = _scripted_verdict(trial, {"model": [3.0] * 4, "allgather": [3.2, 3.5, 3.1, 3.3],
+                                             "two-phase": [2.0, 3.1, 2.0, 2.0]})
+    assert lost_a_round["chosen"] == "two-phase" and lost_a_round["rounds"] == 4  # the runner-up, model, lost 3 of 4
+    # two-phase's ratios to the model's choice (0.93, 1.1, 0.9, 0.97) make it the challenger, but not clearly: rounds
+    # of the two alone, until the model's choice, 17% quicker in each, is clearly the quicker
+    close = _scripted_verdict(trial, {"model": [3.0] * 4 + [2.5] * 5, "allgather": [3.2, 3.5, 3.1, 3.3],
+                                      "two-phase": [2.8, 3.3, 2.7, 2.9] + [3.0] * 5})
+    assert close["challenger"] == "two-phase" and close["runner_up"] == "model"
+    assert close["chosen"] == "model" and close["rounds"] == 9
+    assert [sorted(order) for order in close["order"][4:]] == [["model", "two-phase"]] * 5
 
 
 def test_the_trial_runs_each_candidate_in_turn_and_every_rank_keeps_the_fastest_for_the_slowest_rank():
@@ -525,8 +578,9 @@ def test_the_trial_runs_each_candidate_in_turn_and_every_rank_keeps_the_fastest_
 
 
 # Per rank, per round: allgather's gain over plain (3.0 s) is lost in round 1, so two rounds do not settle it; the
-# rounds added for the close call (allgather and plain alone) make it clear after round 4. Rank 1 is the slower.
-CLOSE_CALL_SECONDS = {"model": [2.9, 2.9], "plain": [3.0, 3.0], "two-phase": [2.95, 2.95],
+# rounds added for the close call (allgather and plain alone) make it clear after round 4. Rank 1 is the slower. The
+# other candidates are slower than allgather in every round: no close call between allgather and the runner-up.
+CLOSE_CALL_SECONDS = {"model": [3.4, 3.4], "plain": [3.0, 3.0], "two-phase": [3.5, 3.5],
                       "allgather": [[2.0, 3.2, 2.0, 2.1], [2.1, 3.3, 2.1, 2.2]]}
 
 
@@ -539,8 +593,9 @@ def test_a_close_call_runs_its_added_rounds_on_every_rank_alike_and_loses_nothin
     trial = decision["trial"]
     assert trial["names"] == ["model", "plain", "allgather", "two-phase"]
     assert trial["rounds"] == 5 and trial["first_rounds"] == 2 and trial["challenger"] == "allgather"
+    assert trial["runner_up"] == "model"
     assert trial["round_step_s"]["allgather"] == [2.1, 3.3, 2.1, 2.2, 2.2]  # the slower rank's
-    assert trial["round_step_s"]["two-phase"] == [2.95, 2.95, None, None, None]  # not in the added rounds
+    assert trial["round_step_s"]["two-phase"] == [3.5, 3.5, None, None, None]  # not in the added rounds
     assert trial["chosen"] == "allgather" and all(r["stats"]["decision"] == decision for r in results)
     indices = [b["index"] for b in decision["buckets"]]
     for step in range(decision["step"], steps):
@@ -549,6 +604,37 @@ def test_a_close_call_runs_its_added_rounds_on_every_rank_alike_and_loses_nothin
     assert policy_trial.candidate_at(trial, steps - 1) is None  # the run went past the trial
     assert_nothing_lost(results, steps, replicas=world)
     assert "a close call: 3 more rounds of allgather and plain alone (up to 8 in all)" in results[0]["explain"]
+
+
+# Per rank, per round, 3 rounds: allgather is the challenger (its median ratio to plain 0.7 against two-phase's 0.77),
+# clearly quicker than plain after two rounds of the two alone; two-phase, the runner-up, lost round 0 to it and won
+# round 1 (the largest of the ranks' times: 2.1 against 2.0, 2.5 against 3.2): rounds of the two alone, until
+# two-phase's 24% makes it clearly the quicker. Each rank is the slower somewhere.
+RUNNER_UP_SECONDS = {"model": [2.9, 2.9], "plain": [3.0, 3.0],
+                     "allgather": [[1.9, 3.2, 2.1], [2.0, 3.1, 2.0]],
+                     "two-phase": [[2.1, 2.4, 2.3, 2.3, 2.3, 1.6], [2.0, 2.5, 2.2, 2.2, 2.2, 1.5]]}
+
+
+def test_a_close_call_between_the_challenger_and_the_runner_up_runs_on_every_rank_alike_and_loses_nothing():
+    world, steps = 2, 56
+    results = unwrap(run_ranks(scenarios.recorded, world, ("signsgd", {"trial_steps": 3}, steps,
+                                                           [["two-phase", "plain"]], None, RUNNER_UP_SECONDS),
+                               timeout=300))
+    decision = results[0]["stats"]["decision"]
+    trial = decision["trial"]
+    assert (trial["challenger"], trial["runner_up"], trial["chosen"]) == ("allgather", "two-phase", "two-phase")
+    assert [sorted(order) for order in trial["order"][3:]] == [["allgather", "plain"]] * 2 + \
+        [["allgather", "two-phase"]] * 3
+    assert trial["round_step_s"]["two-phase"] == [2.1, 2.5, 2.3, None, None, 1.6, 1.6, 1.6]  # the slower rank's
+    assert all(r["stats"]["decision"] == decision for r in results)
+    indices = [b["index"] for b in decision["buckets"]]
+    for step in range(decision["step"], steps):
+        name = policy_trial.candidate_at(trial, step) or trial["chosen"]
+        assert results[0]["schemes_per_step"][step] == dict(zip(indices, trial["choices"][name])), step
+    assert policy_trial.candidate_at(trial, steps - 1) is None  # the run went past the trial
+    assert_nothing_lost(results, steps, replicas=world)
+    assert "a close call: 5 more rounds: 2 of allgather and plain alone, then 3 of allgather and two-phase alone " \
+           "(up to 12 in all)" in results[0]["explain"]
 
 
 def test_a_run_resumed_during_a_close_calls_added_rounds_keeps_the_rounds_combined_before_on_every_rank(tmp_path):
