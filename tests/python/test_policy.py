@@ -433,11 +433,12 @@ def test_once_compression_is_taken_the_runner_up_replaces_the_challenger_only_wh
     assert both["round_step_s"]["two-phase"] == [2.9, 3.3, 2.8, 2.9, None, None, 2.0, 2.0, 2.0, 2.0]
     assert "a close call: 6 more rounds: 2 of model and plain alone, then 4 of model and two-phase alone (up to 16 in " \
            "all)" in "\n".join(policy_trial.describe(both))
-    # the two-phase gain scatters (ratios 1.3 and 0.75 in turn) to the last round: the challenger stands
-    scatter = [2.6, 1.5] * 6
-    capped = _scripted_verdict(trial, {"model": [2.0, 2.1, 2.2, 2.0] + [2.0] * 12, "plain": [3.0] * 4,
-                                       "two-phase": [2.1, 2.0, 2.3, 1.9] + scatter})
-    assert capped["chosen"] == "model" and capped["rounds"] == capped["max_rounds"] == 16
+    # two-phase's ratios to the model's choice scatter (1.3 and 0.75, or 0.65, in turn) to the last round: the
+    # quicker in the mean of all 16 stands (1.02: the model's choice; 0.98: two-phase)
+    for later, chosen in (([2.6, 1.5] * 6, "model"), ([2.6, 1.3] * 6, "two-phase")):
+        capped = _scripted_verdict(trial, {"model": [2.0, 2.1, 2.2, 2.0] + [2.0] * 12, "plain": [3.0] * 4,
+                                           "two-phase": [2.1, 2.0, 2.3, 1.9] + later})
+        assert capped["chosen"] == chosen and capped["rounds"] == capped["max_rounds"] == 16
     # where plain stands, no runner-up is looked for
     kept_plain = _scripted_verdict(trial, {"model": [3.3] * 4, "plain": [3.0] * 4, "two-phase": [3.2] * 4})
     assert kept_plain["chosen"] == "plain" and kept_plain["runner_up"] is None and kept_plain["rounds"] == 4
