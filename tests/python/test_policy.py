@@ -431,8 +431,8 @@ def test_once_compression_is_taken_the_runner_up_replaces_the_challenger_only_wh
                                                                                        "two-phase", 10)
     assert [sorted(order) for order in both["order"][4:]] == [["model", "plain"]] * 2 + [["model", "two-phase"]] * 4
     assert both["round_step_s"]["two-phase"] == [2.9, 3.3, 2.8, 2.9, None, None, 2.0, 2.0, 2.0, 2.0]
-    assert "a close call: 6 more rounds: 2 of model and plain alone, then 4 of model and two-phase alone (up to 16 in " \
-           "all)" in "\n".join(policy_trial.describe(both))
+    assert "a close call: 6 more rounds: 2 of model and plain alone, then 4 of model and two-phase alone (up to 16 " \
+           "in all)" in "\n".join(policy_trial.describe(both))
     # two-phase's ratios to the model's choice scatter (1.3 and 0.75, or 0.65, in turn) to the last round: the
     # quicker in the mean of all 16 stands (1.02: the model's choice; 0.98: two-phase)
     for later, chosen in (([2.6, 1.5] * 6, "model"), ([2.6, 1.3] * 6, "two-phase")):
@@ -555,26 +555,39 @@ def test_without_plain_on_the_shortlist_the_smallest_median_ratio_to_the_models_
     assert [sorted(order) for order in close["order"][4:]] == [["model", "two-phase"]] * 5
 
 
+def run_trial(trial_steps, steps, trial_seconds, world=2):
+    """Every rank's results of `steps` signsgd steps under policy="time" whose trial's measured steps take
+    trial_seconds (policy_scenarios.scripted_trial), and the trial that rank 0 decided."""
+    results = unwrap(run_ranks(scenarios.recorded, world, ("signsgd", {"trial_steps": trial_steps}, steps,
+                                                           [["two-phase", "plain"]], None, trial_seconds), timeout=300))
+    return results, results[0]["stats"]["decision"]["trial"]
+
+
+def assert_the_trial_was_followed(results, steps, world):
+    """Every rank took the same decision; each step from it went under its trial candidate, then the chosen one; and
+    the switches lost nothing."""
+    decision = results[0]["stats"]["decision"]
+    trial = decision["trial"]
+    assert all(r["stats"]["decision"] == decision for r in results)
+    indices = [b["index"] for b in decision["buckets"]]
+    assert len(indices) >= 2
+    for step in range(decision["step"], steps):
+        name = policy_trial.candidate_at(trial, step) or trial["chosen"]
+        assert results[0]["schemes_per_step"][step] == dict(zip(indices, trial["choices"][name])), step
+    assert_nothing_lost(results, steps, replicas=world)
+
+
 def test_the_trial_runs_each_candidate_in_turn_and_every_rank_keeps_the_fastest_for_the_slowest_rank():
     """Each step of the trial goes under its candidate; the verdict takes each candidate's time per round, the
     largest over the ranks, as a ratio to plain's: the same on every rank, though rank 0 alone would keep plain; after
     it, every step goes that way; and the switches lost nothing."""
     world, steps = 2, 22
-    results = unwrap(run_ranks(scenarios.recorded, world, ("signsgd", {"trial_steps": 2}, steps,
-                                                           [["two-phase", "plain"]], None, TRIAL_SECONDS), timeout=300))
-    decision = results[0]["stats"]["decision"]
-    trial = decision["trial"]
+    results, trial = run_trial(2, steps, TRIAL_SECONDS)
     assert trial["names"] == ["model", "plain", "allgather", "two-phase"] and trial["block"] == 2
     assert trial["measured_step_s"] == {"model": 2.5, "plain": 3.0, "allgather": 2.0, "two-phase": 2.4}
     assert all(None not in seconds for seconds in trial["round_step_s"].values())  # every round measured whole
-    assert trial["chosen"] == "allgather" and all(r["stats"]["decision"] == decision for r in results)
-    indices = [b["index"] for b in decision["buckets"]]
-    assert len(indices) >= 2
-    for step in range(decision["step"], steps):
-        name = policy_trial.candidate_at(trial, step) or trial["chosen"]
-        expected = dict(zip(indices, trial["choices"][name]))
-        assert results[0]["schemes_per_step"][step] == expected, step
-    assert_nothing_lost(results, steps, replicas=world)
+    assert trial["chosen"] == "allgather"
+    assert_the_trial_was_followed(results, steps, world)
     assert "chosen: allgather" in results[0]["explain"]
 
 
@@ -587,23 +600,14 @@ CLOSE_CALL_SECONDS = {"model": [3.4, 3.4], "plain": [3.0, 3.0], "two-phase": [3.
 
 def test_a_close_call_runs_its_added_rounds_on_every_rank_alike_and_loses_nothing():
     world, steps = 2, 38
-    results = unwrap(run_ranks(scenarios.recorded, world, ("signsgd", {"trial_steps": 2}, steps,
-                                                           [["two-phase", "plain"]], None, CLOSE_CALL_SECONDS),
-                               timeout=300))
-    decision = results[0]["stats"]["decision"]
-    trial = decision["trial"]
+    results, trial = run_trial(2, steps, CLOSE_CALL_SECONDS)
     assert trial["names"] == ["model", "plain", "allgather", "two-phase"]
     assert trial["rounds"] == 5 and trial["first_rounds"] == 2 and trial["challenger"] == "allgather"
     assert trial["runner_up"] == "model"
     assert trial["round_step_s"]["allgather"] == [2.1, 3.3, 2.1, 2.2, 2.2]  # the slower rank's
     assert trial["round_step_s"]["two-phase"] == [3.5, 3.5, None, None, None]  # not in the added rounds
-    assert trial["chosen"] == "allgather" and all(r["stats"]["decision"] == decision for r in results)
-    indices = [b["index"] for b in decision["buckets"]]
-    for step in range(decision["step"], steps):
-        name = policy_trial.candidate_at(trial, step) or trial["chosen"]
-        assert results[0]["schemes_per_step"][step] == dict(zip(indices, trial["choices"][name])), step
-    assert policy_trial.candidate_at(trial, steps - 1) is None  # the run went past the trial
-    assert_nothing_lost(results, steps, replicas=world)
+    assert trial["chosen"] == "allgather" and policy_trial.candidate_at(trial, steps - 1) is None  # the run went on
+    assert_the_trial_was_followed(results, steps, world)
     assert "a close call: 3 more rounds of allgather and plain alone (up to 8 in all)" in results[0]["explain"]
 
 
@@ -618,22 +622,13 @@ RUNNER_UP_SECONDS = {"model": [2.9, 2.9], "plain": [3.0, 3.0],
 
 def test_a_close_call_between_the_challenger_and_the_runner_up_runs_on_every_rank_alike_and_loses_nothing():
     world, steps = 2, 56
-    results = unwrap(run_ranks(scenarios.recorded, world, ("signsgd", {"trial_steps": 3}, steps,
-                                                           [["two-phase", "plain"]], None, RUNNER_UP_SECONDS),
-                               timeout=300))
-    decision = results[0]["stats"]["decision"]
-    trial = decision["trial"]
+    results, trial = run_trial(3, steps, RUNNER_UP_SECONDS)
     assert (trial["challenger"], trial["runner_up"], trial["chosen"]) == ("allgather", "two-phase", "two-phase")
     assert [sorted(order) for order in trial["order"][3:]] == [["allgather", "plain"]] * 2 + \
         [["allgather", "two-phase"]] * 3
     assert trial["round_step_s"]["two-phase"] == [2.1, 2.5, 2.3, None, None, 1.6, 1.6, 1.6]  # the slower rank's
-    assert all(r["stats"]["decision"] == decision for r in results)
-    indices = [b["index"] for b in decision["buckets"]]
-    for step in range(decision["step"], steps):
-        name = policy_trial.candidate_at(trial, step) or trial["chosen"]
-        assert results[0]["schemes_per_step"][step] == dict(zip(indices, trial["choices"][name])), step
     assert policy_trial.candidate_at(trial, steps - 1) is None  # the run went past the trial
-    assert_nothing_lost(results, steps, replicas=world)
+    assert_the_trial_was_followed(results, steps, world)
     assert "a close call: 5 more rounds: 2 of allgather and plain alone, then 3 of allgather and two-phase alone " \
            "(up to 12 in all)" in results[0]["explain"]
 
