@@ -28,7 +28,7 @@ measured fastest:
         Where compression is taken, the runner-up (the next smallest median ratio) replaces the challenger by the
         same rule on its ratios to the challenger: compressed candidates often lie within a step's scatter of each
         other, and the smallest median of four noisy rounds is then a coin's toss (it once took two-phase where
-        allgather was 1.2x quicker in the steps after the trial);
+        allgather was 1.2x quicker in the steps after the trial).
         A step counts only where its block's switch was measured in the same process (a resumed run's first step,
         its plans laid out anew, does not);
     close calls: where the challenger's gain over plain is not clear, but a gain over PLAIN_PREFERENCE is still
@@ -36,13 +36,14 @@ measured fastest:
         the trial goes on with rounds of the challenger and plain alone (in a shuffled order, one allreduce per
         round), the verdict taken again after each, up to EXTEND x trial_steps rounds in all; then plain stands.
         Once compression is taken, the same holds between the challenger and the runner-up: rounds of the two alone
-        while the runner-up's gain is neither clear nor ruled out and the challenger is not clearly quicker; at the
-        last round, the one quicker in the mean ratio stands (no promise to keep between compressed candidates, and
-        all of the rounds know more than the first four's medians). Those rounds cost at most the two candidates'
-        difference, which a wrong pick would cost for the rest of the run. Simulated at 20% scatter per step, a
-        runner-up 10% quicker is kept 88% of the time (74% by the first rounds' medians alone). On a shared CPU one
-        step scatters by about 20%, and four pairs cannot show a 10% gain; on a GPU they mostly can, and fewer rounds
-        are added.
+        while the runner-up's gain is neither clear nor ruled out and the challenger's gain over it is not clear
+        either; at the last round, the one quicker in the mean ratio stands, where rounds of the two alone have run
+        (no promise to keep between compressed candidates, and those rounds know more than the first four's
+        medians); where the rounds against plain used them all up, the challenger stands. Those rounds cost at most
+        the two candidates' difference, which a wrong pick would cost for the rest of the run. Simulated at 20%
+        scatter per step, a runner-up 10% quicker is kept 88% of the time (74% by the first rounds' medians alone).
+        On a shared CPU one step scatters by about 20%, and four pairs cannot show a 10% gain; on a GPU they mostly
+        can, and fewer rounds are added.
 Every step of the trial is a real training step: a switch hands the error-feedback residuals over as any decision
 does (nothing lost). The schedule is fixed at the decision (and at each round a close call adds), so a run resumed
 during the trial sends each step as the uninterrupted one did until its next verdict; that verdict counts the rounds
@@ -202,8 +203,8 @@ def gain_possible(ratios: list[float]) -> bool:
 
 def clearly_quicker(ratios: list[float]) -> bool:
     """Whether a candidate whose step times as ratios to another's are `ratios`, round by round, replaces the other:
-    quicker by more than PLAIN_PREFERENCE in the median, and its gain clear of the steps' scatter."""
-    return statistics.median(ratios) < 1 - PLAIN_PREFERENCE and clear_gain(ratios)
+    quicker by more than PLAIN_PREFERENCE in the median, and its gain clear of the steps' scatter. No rounds: no."""
+    return bool(ratios) and statistics.median(ratios) < 1 - PLAIN_PREFERENCE and clear_gain(ratios)
 
 
 def verdict(trial: dict, step_seconds: dict[int, float], group, device: torch.device, now: int | None = None) -> dict:
@@ -214,8 +215,9 @@ def verdict(trial: dict, step_seconds: dict[int, float], group, device: torch.de
     Two questions, each a close call until settled: does the challenger (the smallest median ratio to plain) replace
     plain; and once it has, does the runner-up (the next smallest, compressed too) replace the challenger. Both are
     answered by clearly_quicker on the two candidates' ratios in the rounds that ran both. Where neither a clear gain
-    nor its absence shows by EXTEND x trial_steps rounds, plain stands against the challenger (the promise never to
-    be slower than plain DDP), and the quicker in the mean of the two compressed ones."""
+    nor its absence shows by EXTEND x trial_steps rounds (or by a verdict taken late), plain stands against the
+    challenger (the promise never to be slower than plain DDP), and of the two compressed ones the quicker in the
+    mean, once rounds of the two alone have run, else the challenger."""
     names, rounds, round_orders = trial["names"], trial["rounds"], orders(trial)
     steps: dict[tuple[str, int], list[float]] = {(name, r): [] for name in names for r in range(rounds)}
     for step, seconds in step_seconds.items():
@@ -261,7 +263,8 @@ def verdict(trial: dict, step_seconds: dict[int, float], group, device: torch.de
                     chosen = runner_up
                 elif gain_possible(against) and not clear_gain([1 / ratio for ratio in against]):
                     pair = [challenger, runner_up]
-                    if statistics.fmean(against) < 1:  # where no round can be added: the quicker in the mean
+                    ran_alone = any(runner_up in order for order in round_orders[trial.get("first_rounds", rounds):])
+                    if ran_alone and statistics.fmean(against) < 1:  # stands only where no round can be added
                         chosen = runner_up
     more = pair is not None and rounds < trial.get("max_rounds", rounds) and \
         now in (None, trial["start"] + length(trial))
@@ -307,6 +310,7 @@ def describe(trial: dict | None) -> list[str]:
                        for name, seconds in (trial.get("round_step_s") or {}).items())
     if rounds:
         lines.append(f"per round (ms): {rounds}; compression is taken over plain, and the runner-up over the "
-                     f"challenger, only where it was quicker by more than {PLAIN_PREFERENCE:.0%} in the median, and in "
-                     f"every round or clearly in the mean (the upper end of a 95% interval)")
+                     f"challenger, where it was quicker by more than {PLAIN_PREFERENCE:.0%} in the median, and in "
+                     f"every round or clearly in the mean (the upper end of a 95% interval); after the last round of "
+                     f"the runner-up and the challenger alone, the quicker in the mean")
     return lines
