@@ -53,6 +53,7 @@ and may differ from the uninterrupted run's, or add another round.
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 import statistics
@@ -289,15 +290,10 @@ def describe(trial: dict | None) -> list[str]:
              f"in {order} (the first of each block uncounted): {names}"]
     if trial["rounds"] > first:
         plain, challenger = all_plain(trial), trial["challenger"]
-        against: list[list] = []  # [the challenger's opponent, rounds], in the order run: plain, then the runner-up
-        for added_round in orders(trial)[first:]:
-            opponent = next(name for name in added_round if name != challenger)
-            if against and against[-1][0] == opponent:
-                against[-1][1] += 1
-            else:
-                against.append([opponent, 1])
+        opponents = [next(name for name in added if name != challenger) for added in orders(trial)[first:]]
         labels = {plain: f"{plain} (plain)"} if plain not in (None, "plain") else {}
-        pairs = [(count, f"{challenger} and {labels.get(name, name)} alone") for name, count in against]
+        pairs = [(len(list(run)), f"{challenger} and {labels.get(name, name)} alone")  # plain first, then the runner-up
+                 for name, run in itertools.groupby(opponents)]
         added = f" of {pairs[0][1]}" if len(pairs) == 1 else ": " + ", then ".join(f"{n} of {p}" for n, p in pairs)
         lines.append(f"a close call: {trial['rounds'] - first} more rounds{added} (up to {trial['max_rounds']} in all)")
     if trial["chosen"] is None:

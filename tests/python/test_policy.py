@@ -325,13 +325,13 @@ def _scripted_verdict(trial: dict, steps: dict[str, list[float]]) -> dict:
     return trial
 
 
-def _one_bucket_trial(monkeypatch, trial_steps=4):
-    """A trial of the model's choice (allgather for the one bucket) against plain, on one rank."""
+def _one_bucket_trial(monkeypatch, trial_steps=4, options=("plain", "allgather")):
+    """A trial of the model's choice (allgather for the one bucket) against the other options for it, on one rank."""
     monkeypatch.setattr(policy_trial.dist, "get_world_size", lambda group=None: 1)
-    decision = {"step": 0, "options": ["plain", "allgather"], "buckets": [{"choice": "allgather"}],
-                "predicted_exposed_s": {"policy": 0.1, "plain": 0.2, "allgather": 0.1}}
+    decision = {"step": 0, "options": list(options), "buckets": [{"choice": "allgather"}],
+                "predicted_exposed_s": {"policy": 0.1, "plain": 0.2, "allgather": 0.1, "two-phase": 0.1}}
     trial = policy_trial.plan(decision, trial_steps, plain_step_s=None)
-    assert trial["names"] == ["model", "plain"]
+    assert trial["names"] == ["model", *(option for option in options if option != "allgather")]
     return trial
 
 
@@ -398,20 +398,14 @@ def test_a_close_call_adds_rounds_of_the_challenger_and_plain_until_its_gain_is_
     assert one["chosen"] == "model" and one["rounds"] == 4  # two rounds added: every round but one by 33%
 
 
-def _two_codec_trial(monkeypatch, options=("plain", "allgather", "two-phase"), trial_steps=4):
-    """A trial of the model's choice (allgather for the one bucket), two-phase and (where options hold it) plain, on one
-    rank."""
-    monkeypatch.setattr(policy_trial.dist, "get_world_size", lambda group=None: 1)
-    decision = {"step": 0, "options": list(options), "buckets": [{"choice": "allgather"}],
-                "predicted_exposed_s": {"policy": 0.1, "plain": 0.2, "allgather": 0.1, "two-phase": 0.1}}
-    return policy_trial.plan(decision, trial_steps, plain_step_s=None)
+TWO_CODECS = ("plain", "allgather", "two-phase")
 
 
 def test_once_compression_is_taken_the_runner_up_replaces_the_challenger_only_where_clearly_quicker(monkeypatch):
     """Two compressed candidates often lie within a step's scatter of each other: the challenger (the smallest median
     ratio to plain) stands unless the runner-up is clearly quicker than it, by the rule that guards plain; a close
     call between them adds rounds of the two alone, after any rounds the challenger needed against plain."""
-    trial = _two_codec_trial(monkeypatch)
+    trial = _one_bucket_trial(monkeypatch, options=TWO_CODECS)
     assert trial["names"] == ["model", "plain", "two-phase"]
     plain = [3.0] * 4
     slower = _scripted_verdict(trial, {"model": [2.0, 2.1, 2.2, 2.0], "plain": plain,
@@ -441,7 +435,7 @@ def test_once_compression_is_taken_the_runner_up_replaces_the_challenger_only_wh
         assert capped["chosen"] == chosen and capped["rounds"] == capped["max_rounds"] == 16
     # the rounds against plain ran to the last (model's choice clear at round 8 of 8): two-phase, never run alone
     # with it, does not replace it on the first rounds' mean ratio (0.8 and 1.18: 0.99)
-    used_up = _scripted_verdict(_two_codec_trial(monkeypatch, trial_steps=2), {
+    used_up = _scripted_verdict(_one_bucket_trial(monkeypatch, trial_steps=2, options=TWO_CODECS), {
         "model": [2.5, 3.4, 2.5, 3.2, 2.5, 2.5, 2.5, 2.5], "plain": [3.0] * 8, "two-phase": [2.0, 4.0]})
     assert (used_up["runner_up"], used_up["chosen"], used_up["rounds"]) == ("two-phase", "model", 8)
     # where plain stands, no runner-up is looked for
