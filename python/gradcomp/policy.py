@@ -2,9 +2,10 @@
 take), from a cost model measured on the job itself, never what the model predicts to be slower than plain DDP.
 
 The model
-    collectives: alpha + beta x bytes per kind (allreduce, all-gather, all-to-all, reduce-scatter) and level (the
-        whole group; inside a node and across nodes where the ranks form several nodes of several), fitted to the
-        plain warm-up steps' own allreduces of the real buckets and to a few probes of each kind at the decision;
+    collectives: seconds per bytes, per kind (allreduce, all-gather, all-to-all, reduce-scatter) and level (the
+        whole group; inside a node and across nodes where the ranks form several nodes of several), measured at the
+        decision by probes of each kind at sizes 4x apart, and at the buckets' own sizes by the plain warm-up steps'
+        allreduces; straight between the measured sizes (a Curve: a link is not one alpha + beta x bytes line);
     compute: each option's plan launched on the gradient in hand (tiled to the bucket's size) with local collectives
         (DryStep), timed per bucket shape on this device and dtype: the codec's kernels and all the hook does around
         them, split at the first collective into encode and decode (the planner, gradcomp.plan, uses per-element
@@ -41,6 +42,7 @@ each), none per step.
 
 from __future__ import annotations
 
+import bisect
 import math
 import statistics
 import time
@@ -60,7 +62,7 @@ from .step import Step
 POLICIES = ("codec", "time")
 MARGIN = 0.05  # an option replaces plain only where the model predicts it at least this much faster
 KINDS = ("allreduce", "all-gather", "all-to-all", "reduce-scatter")
-PROBE_BYTES = (1 << 10, 1 << 14, 1 << 18, 1 << 21, 1 << 23)  # probes up to the largest bucket, at most 8 MiB
+PROBE_BYTES = tuple(1 << b for b in range(10, 24, 2)) + (1 << 23,)  # up to the largest bucket, at most 8 MiB
 PROBE_REPEATS = 2  # after one untimed run; the least is kept (the others met noise)
 
 
@@ -84,7 +86,7 @@ def check_policy(policy, start_iter: int, start_codec, min_bucket_ratio: float) 
 
 @dataclass
 class Line:
-    """fixed + per_unit x units (seconds)."""
+    """fixed + per_unit x units (seconds): the codec's kernels, and the links that the planner is told."""
 
     fixed: float = 0.0
     per_unit: float = 0.0
@@ -114,6 +116,70 @@ class Line:
             return cls(0.0, sxt / sxx)
         return cls(fixed, slope)
 
+    def params(self) -> list[float]:
+        """What combine() takes the largest of over the ranks."""
+        return [self.fixed, self.per_unit]
+
+    def with_params(self, values) -> "Line":
+        return Line(*values)
+
+    def to_json(self):
+        return [self.fixed, self.per_unit]
+
+
+@dataclass(frozen=True)
+class Curve:
+    """Seconds of a collective of `units` bytes per rank, measured at a few sizes: straight between them, the
+    smallest's time below the smallest, the last segment's slope beyond the largest. A link's cost is no one line: a
+    token bucket's burst, TCP's window and NCCL's protocols bend it, and one line fitted across 1 KiB to 8 MiB missed
+    the sizes between by 2-4x behind a 100 Mbit/s link (benchmarks/README.md)."""
+
+    sizes: tuple[float, ...]
+    seconds: tuple[float, ...]
+
+    def __call__(self, units: float) -> float:
+        xs, ts = self.sizes, self.seconds
+        if not xs:
+            return 0.0
+        if units <= xs[0]:
+            return ts[0]
+        i = bisect.bisect_left(xs, units)
+        if i == len(xs):
+            slope = (ts[-1] - ts[-2]) / (xs[-1] - xs[-2]) if len(xs) > 1 else 0.0
+            return ts[-1] + (slope if slope > 0 else ts[-1] / xs[-1]) * (units - xs[-1])
+        return ts[i - 1] + (ts[i] - ts[i - 1]) * (units - xs[i - 1]) / (xs[i] - xs[i - 1])
+
+    @classmethod
+    def through(cls, points, at) -> "Curve":
+        """The curve at the sizes `at` (the same on every rank, so that the ranks' curves combine size by size),
+        from (units, seconds) points: the median of the points at each size, straight between sizes, and no size
+        slower than a larger one (noise only adds time, so of two such points the smaller size's is lowered)."""
+        by_size: dict[float, list[float]] = {}
+        for x, t in points:
+            if x > 0 and t > 0:
+                by_size.setdefault(float(x), []).append(float(t))
+        xs = sorted(by_size)
+        ts = [statistics.median(by_size[x]) for x in xs]
+        for i in range(len(ts) - 2, -1, -1):
+            ts[i] = min(ts[i], ts[i + 1])
+        measured = cls(tuple(xs), tuple(ts))
+        sizes = sorted({float(x) for x in at})
+        return cls(tuple(sizes), tuple(measured(x) for x in sizes))
+
+    def params(self) -> list[float]:
+        return list(self.seconds)
+
+    def with_params(self, values) -> "Curve":
+        return Curve(self.sizes, tuple(values))
+
+    def to_json(self):
+        return {"sizes": list(self.sizes), "seconds": list(self.seconds)}
+
+
+def link_from_json(saved) -> "Line | Curve":
+    """A link as to_json wrote it: a Curve (measured), or a Line (stated: the planner; or saved before curves)."""
+    return Curve(tuple(saved["sizes"]), tuple(saved["seconds"])) if isinstance(saved, dict) else Line(*saved)
+
 
 @dataclass(frozen=True)
 class Cost:
@@ -139,7 +205,7 @@ class Cost:
 class CostModel:
     """Collectives per (level, kind) and the codec's kernels, as Lines; and what each option costs a bucket."""
 
-    def __init__(self, links: dict[str, Line], kernels: dict[str, Line]):
+    def __init__(self, links: dict[str, Line | Curve], kernels: dict[str, Line]):
         self.links, self.kernels = links, kernels  # links: "level/kind" -> seconds for bytes per rank
 
     def link(self, level: str, kind: str, nbytes: float) -> float:
@@ -150,12 +216,13 @@ class CostModel:
         return calls * line.fixed + line.per_unit * elements
 
     def to_dict(self) -> dict:
-        return {"links": {k: [v.fixed, v.per_unit] for k, v in self.links.items()},
-                "kernels": {k: [v.fixed, v.per_unit] for k, v in self.kernels.items()}}
+        return {"links": {k: v.to_json() for k, v in self.links.items()},
+                "kernels": {k: v.to_json() for k, v in self.kernels.items()}}
 
     @classmethod
     def from_dict(cls, saved: dict) -> "CostModel":
-        return cls({k: Line(*v) for k, v in saved["links"].items()}, {k: Line(*v) for k, v in saved["kernels"].items()})
+        return cls({k: link_from_json(v) for k, v in saved["links"].items()},
+                   {k: Line(*v) for k, v in saved["kernels"].items()})
 
     def flat(self, scheme: str, codec, shapes, numel: int, dtype: torch.dtype, ranks: int, level: str) -> Cost:
         """A bucket under a flat scheme among `ranks` ranks at `level`."""
@@ -488,23 +555,26 @@ def _probe(group, kind: str, nbytes: int, device: torch.device, clock: Clock) ->
     return nbytes, marks
 
 
-def measure_links(needed: dict[str, list[str]], groups: dict, largest: int, device: torch.device, clock: Clock,
-                  warmup_points: list) -> dict[str, Line]:
-    """Lines for each level's needed kinds: probes at PROBE_BYTES up to the largest bucket (every rank in the same
-    order), and the warm-up's own allreduces of the whole group."""
+def measure_links(needed: dict[str, list[str]], groups: dict, bucket_bytes: list[int], device: torch.device,
+                  clock: Clock, warmup_points: list) -> dict[str, Curve]:
+    """Curves for each level's needed kinds: probes at PROBE_BYTES up to the largest bucket (every rank in the same
+    order), and for the whole group's allreduce the warm-up's own allreduces of the buckets, at their sizes too."""
+    largest = max(bucket_bytes, default=0)
     sizes = sorted({min(b, max(largest, PROBE_BYTES[0])) for b in PROBE_BYTES})
     marks = {}
     for level, kinds in needed.items():
         for kind in kinds:
             marks[f"{level}/{kind}"] = [_probe(groups[level], kind, size, device, clock) for size in sizes]
     clock.sync()
-    lines = {}
+    curves = {}
     for key, probes in marks.items():
         points = [(nbytes, min(clock.seconds(a, b) for a, b in runs)) for nbytes, runs in probes]
+        at = [nbytes for nbytes, _ in points]
         if key == "world/allreduce":
             points += warmup_points
-        lines[key] = Line.fit(points)
-    return lines
+            at += bucket_bytes
+        curves[key] = Curve.through(points, at)
+    return curves
 
 
 def measure_kernels(codec, sample: torch.Tensor, largest: int, clock: Clock) -> dict[str, Line]:
@@ -557,8 +627,8 @@ def combine(model: CostModel, ready: list[float] | None, buckets: int, group, de
     """Every rank's measurements, the largest of each (the slowest rank sets the pace): one allreduce, after which
     every rank holds the same numbers. Returns (model, ready, measured), ready None where any rank lacks it."""
     links, kernels = sorted(model.links), sorted(model.kernels)
-    values = [x for key in links for x in (model.links[key].fixed, model.links[key].per_unit)]
-    values += [x for key in kernels for x in (model.kernels[key].fixed, model.kernels[key].per_unit)]
+    measured_lines = [model.links[key] for key in links] + [model.kernels[key] for key in kernels]
+    values = [x for line in measured_lines for x in line.params()]
     timed = [(i, o) for i, per_option in enumerate(measured or []) for o in sorted(per_option)]
     values += [x for i, o in timed for x in measured[i][o]]
     values += [1.0 if ready is None else 0.0, *(ready if ready is not None else [0.0] * buckets)]
@@ -566,9 +636,12 @@ def combine(model: CostModel, ready: list[float] | None, buckets: int, group, de
     if dist.get_world_size(group) > 1:
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
     values = tensor.cpu().tolist()
-    lines = [Line(values[2 * i], values[2 * i + 1]) for i in range(len(links) + len(kernels))]
+    lines, at = [], 0
+    for line in measured_lines:  # the same structure on every rank: the same kinds, and curves at the same sizes
+        width = len(line.params())
+        lines.append(line.with_params(values[at:at + width]))
+        at += width
     combined = CostModel(dict(zip(links, lines[:len(links)])), dict(zip(kernels, lines[len(links):])))
-    at = 2 * len(lines)
     if measured is not None:
         width = len(measured[timed[0][0]][timed[0][1]]) if timed else 0
         measured = [dict() for _ in measured]

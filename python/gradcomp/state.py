@@ -505,8 +505,7 @@ class CompressionState(StateCheckpoints):
         needed = time_policy.needed_links(options, self.codec)
         groups = {"world": step.group, **({"inside": self._nodes.inside, "across": self._nodes.across}
                                           if two_levels else {})}
-        largest = max((sum(torch.Size(s).numel() for s in b["shapes"]) * b["dtype"].itemsize for b in buckets),
-                      default=0)
+        bucket_bytes = [sum(torch.Size(s).numel() for s in b["shapes"]) * b["dtype"].itemsize for b in buckets]
         clock = time_policy.Clock(buffer.device)
         self._timings.step_started(self.iter, buffer.device)  # the end of the last plain step
         clock.sync()  # on a GPU, the warm-up's events are read now: the decision's one wait for the device
@@ -514,11 +513,11 @@ class CompressionState(StateCheckpoints):
         plain_step = statistics.median(plain_steps) if plain_steps else \
             ((self._decision or {}).get("trial") or {}).get("plain_step_s")  # re-measured: as the warm-up showed
         if self._decision is None:
-            links = time_policy.measure_links(needed, groups, largest, buffer.device, clock,
+            links = time_policy.measure_links(needed, groups, bucket_bytes, buffer.device, clock,
                                               self._timings.allreduce_points())
             ready = self._timings.ready_offsets([b["index"] for b in buckets])
         else:  # re-measured: the links and kernels anew, the backward's pace as the warm-up showed it
-            links = time_policy.measure_links(needed, groups, largest, buffer.device, clock, [])
+            links = time_policy.measure_links(needed, groups, bucket_bytes, buffer.device, clock, [])
             saved = {b["index"]: b["ready_s"] for b in self._decision["buckets"]}
             ready = [saved[b["index"]] for b in buckets] if all(b["index"] in saved for b in buckets) and \
                 self._decision["overlap_measured"] else None

@@ -32,9 +32,9 @@ def skewed(rank: int, skew: float, seen: list):
     measure_links = time_policy.measure_links
 
     def scaled(*args):
-        lines = {k: time_policy.Line(v.fixed * (1 + skew * rank), v.per_unit * (1 + skew * rank))
+        lines = {k: v.with_params([x * (1 + skew * rank) for x in v.params()])
                  for k, v in measure_links(*args).items()}
-        seen.append({k: [v.fixed, v.per_unit] for k, v in lines.items()})
+        seen.append({k: v.to_json() for k, v in lines.items()})
         return lines
 
     return scaled

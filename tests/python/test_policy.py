@@ -17,7 +17,7 @@ import gradcomp.schemes
 import gradcomp.trial as policy_trial
 import policy_scenarios as scenarios
 from ddp_harness import run_ranks, unwrap
-from gradcomp.policy import Cost, CostModel, Line
+from gradcomp.policy import Cost, CostModel, Curve, Line
 
 # -- the model's arithmetic ----------------------------------------------------------------------------------------
 
@@ -30,6 +30,38 @@ def test_a_line_is_fitted_through_exact_points_and_never_below_zero():
     through_zero = Line.fit([(1e3, 1e-6), (1e6, 1e-2)])  # a negative intercept is clamped to zero
     assert through_zero.fixed == 0 and through_zero.per_unit > 0
     assert Line.fit([(4096, 1e-3)]) == Line(0.0, 1e-3 / 4096)
+
+
+def test_a_curve_runs_straight_between_measured_sizes_and_never_falls_with_size():
+    points = [(1e3, 1e-4), (1e4, 3e-4), (1e4, 5e-4), (1e4, 9e-4), (1e5, 2e-3), (1e6, 1.5e-3), (2e6, 3e-3)]
+    curve = Curve.through(points, at=[1e3, 1e4, 1e5, 1e6, 2e6])
+    # 1e4: the median of its three; 1e5's 2 ms exceeds 1e6's 1.5 ms, so noise is taken to have added it
+    assert curve.seconds == pytest.approx((1e-4, 5e-4, 1.5e-3, 1.5e-3, 3e-3))
+    assert curve(5.5e3) == pytest.approx(3e-4)  # halfway from 1e3 to 1e4
+    assert curve(10) == pytest.approx(1e-4)  # below the smallest: the smallest's time
+    assert curve(3e6) == pytest.approx(4.5e-3)  # beyond the largest: the last segment's 1.5 ms per 1e6
+    flat_end = Curve((1e3, 2e3), (1e-3, 1e-3))
+    assert flat_end(4e3) == pytest.approx(1e-3 + 2e3 * 1e-3 / 2e3)  # no slope at the end: the largest's mean rate
+    # sampled at sizes between the points, as every rank samples at the same ones
+    assert Curve.through(points, at=[5.5e3]).seconds == pytest.approx((3e-4,))
+    for link in (curve, Line(2e-4, 3e-9)):
+        assert time_policy.link_from_json(json.loads(json.dumps(link.to_json()))) == link
+        assert link.with_params(link.params()) == link
+
+
+def test_a_curve_follows_a_token_bucket_link_that_one_line_misses():
+    """A shaped link: the first 128 KiB pass at 1 GB/s (the bucket's burst), the rest at 12.5 MB/s, after 0.2 ms.
+    Measured at the probes' sizes, the curve predicts a 5 MiB bucket and a 600 KiB payload within 10% (straight
+    lines between sizes 4x apart cut the corner at the burst's end); the line fitted to the same points misses at
+    least one of them by more than 25%."""
+    def shaped(n):
+        return 2e-4 + min(n, 131072) / 1e9 + max(n - 131072, 0) / 12.5e6
+
+    probes = [(n, shaped(n)) for n in time_policy.PROBE_BYTES]
+    curve, line = Curve.through(probes, at=[n for n, _ in probes]), Line.fit(probes)
+    for n in (5 << 20, 600 << 10):
+        assert curve(n) == pytest.approx(shaped(n), rel=0.10)
+    assert max(abs(line(n) / shaped(n) - 1) for n in (5 << 20, 600 << 10)) > 0.25
 
 
 def test_the_exposed_time_is_the_queue_of_collectives_after_backward():
@@ -149,8 +181,8 @@ def test_every_rank_takes_the_same_decision_when_their_measurements_differ(world
     links = results[0]["decisions"][0]["model"]["links"]
     for key, combined in links.items():
         measured = [r["measured"][0][key] for r in results]
-        assert measured[0] != measured[-1]
-        assert combined == [max(m[0] for m in measured), max(m[1] for m in measured)]
+        assert measured[0] != measured[-1] and all(m["sizes"] == combined["sizes"] for m in measured)
+        assert combined["seconds"] == [max(at_size) for at_size in zip(*(m["seconds"] for m in measured))]
     assert len({r["explain"] for r in results}) == 1
     assert results[0]["stats"]["decision"]["buckets"][0]["choice"] in results[0]["decisions"][0]["options"]
 
