@@ -26,6 +26,7 @@ import torch
 
 from .codecs import codec as make_codec
 from .powersgd import PowerSGD
+from . import measure
 from . import policy as time_policy
 
 GPU_PROFILES = {  # memory bandwidth (bytes/s), dense bf16 matrix rate (flop/s): the vendors' figures
@@ -73,7 +74,7 @@ def gpu_kernels(codec, gpu: str, dtype: torch.dtype) -> dict[str, time_policy.Li
 
 def measured_kernels(codec, largest: int, dtype: torch.dtype) -> dict[str, time_policy.Line]:
     sample = torch.randn(min(largest, 1 << 20), generator=torch.Generator().manual_seed(0)).to(dtype)
-    return time_policy.measure_kernels(codec, sample, largest, time_policy.Clock(sample.device))
+    return measure.measure_kernels(codec, sample, largest, measure.Clock(sample.device))
 
 
 def buckets_of(params: float, bucket_mb: float, dtype: torch.dtype, layer_shape) -> list[dict]:

@@ -7,9 +7,9 @@ The model
         decision by probes of each kind at sizes 4x apart, and at the buckets' own sizes by the plain warm-up steps'
         allreduces; straight between the measured sizes (a Curve: a link is not one alpha + beta x bytes line);
     compute: each option's plan launched on the gradient in hand (tiled to the bucket's size) with local collectives
-        (DryStep), timed per bucket shape on this device and dtype: the codec's kernels and all the hook does around
-        them, split at the first collective into encode and decode (the planner, gradcomp.plan, uses per-element
-        kernel costs instead, measured or stated);
+        (gradcomp.measure's DryStep), timed per bucket shape on this device and dtype: the codec's kernels and all
+        the hook does around them, split at the first collective into encode and decode (the planner, gradcomp.plan,
+        uses per-element kernel costs instead, measured or stated);
     overlap with backward: DDP launches bucket i when backward has produced it, at offset r_i after the first (the
         warm-up steps' hook calls). Collectives go one at a time in launch order (where the backend runs several at
         once they share the link, which ends the last of them no sooner); a bucket's encode runs on the
@@ -24,6 +24,10 @@ The model
             exposed = the last end - r_last.
         A bucket whose communication hides behind later buckets' backward gains nothing from compression, and the
         choice leaves it plain.
+    load: collectives inside a step take longer than their probes alone where the cores are shared with backward
+        and the other ranks, and where a rank waits for the slowest one's backward. The warm-up's plain steps show
+        by how much: every collective's time is taken at the factor (link_load) that makes the plain queue end
+        where their communication did, beyond backward (the kernels' dry-run times as measured).
 The decision, at the first step after the warm-up: every rank measures; one allreduce (MAX: the slowest rank sets
 the pace) combines the measurements; every rank then chooses from the same numbers by the same arithmetic: per
 bucket the option with the least encode + wire + decode where it beats plain by MARGIN, then, bucket by bucket,
@@ -35,7 +39,8 @@ is kept in the state (a resumed run repeats it) and taken anew every `remeasure_
 Then the run tries the model's shortlist for a few steps each and keeps the fastest measured, compression only
 where its gain over plain is clear of the rounds' scatter (gradcomp.trial; trial_steps=0 leaves the model's choice).
 Known limits (benchmarks/README.md, policy.py): the hook's per-step work on busy cores is not in the dry runs, and
-compute on the collectives' callbacks is taken to hold the link; on shared CPU cores the model under-predicts.
+compute on the collectives' callbacks is taken to hold the link; the load is one factor for every collective,
+measured on the plain allreduces only.
 On a GPU every time is a pair of CUDA events, read at the decision and at each of the trial's verdicts (one sync
 each), none per step.
 """
@@ -45,25 +50,19 @@ from __future__ import annotations
 import bisect
 import math
 import statistics
-import time
 from dataclasses import dataclass
-from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from . import trial as policy_trial
 from .codecs import chunk_bounds
 from .powersgd import PowerSGD
 from .schemes import AllreduceBucket, PowerSGDBucket
 from .schemes.hierarchical import inner_plan_class
-from .step import Step
 
 POLICIES = ("codec", "time")
 MARGIN = 0.05  # an option replaces plain only where the model predicts it at least this much faster
 KINDS = ("allreduce", "all-gather", "all-to-all", "reduce-scatter")
-PROBE_BYTES = tuple(1 << b for b in range(10, 24, 2)) + (1 << 23,)  # up to the largest bucket, at most 8 MiB
-PROBE_REPEATS = 2  # after one untimed run; the least is kept (the others met noise)
 
 
 def check_policy(policy, start_iter: int, start_codec, min_bucket_ratio: float) -> str:
@@ -200,6 +199,10 @@ class Cost:
     def parts(self) -> list[float]:
         """The fields in the constructor's order (Cost(*c.parts()) == c)."""
         return [self.encode, self.wire, self.decode, self.middle, self.second]
+
+    def loaded(self, load: float) -> "Cost":
+        """The collectives' times (wire, second) x load; the kernels' as measured."""
+        return Cost(self.encode, self.wire * load, self.decode, self.middle, self.second * load)
 
 
 class CostModel:
@@ -353,324 +356,53 @@ def choose(ready: list[float], options: list[dict]) -> list[str]:
     return choice if predicted(choice) < (1 - MARGIN) * predicted(plain) else plain
 
 
-# -- measuring ---------------------------------------------------------------------------------------------------
-
-
-class Clock:
-    """Host seconds on the CPU; CUDA events on a GPU, read at the decision and at the trial's verdicts (one sync
-    each)."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-
-    def mark(self):
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def seconds(self, start, end) -> float:
-        return start.elapsed_time(end) / 1e3 if self.cuda else end - start
-
-    def sync(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
-
-
-class WarmupTimings:
-    """What the plain warm-up steps show: when each bucket's hook was called (backward's progress), and each plain
-    allreduce from its launch to its completion; and each step's start, there and during the trial (gradcomp.trial).
-    Kept in memory only: a decision is taken once, and saved."""
-
-    def __init__(self):
-        self.clock = None
-        self.steps: dict[int, list] = {}  # step -> [(bucket index, mark)] in launch order
-        self.allreduces: dict[int, list] = {}  # step -> [(bytes, launch mark, [completion mark])]
-        self.starts: dict[int, Any] = {}  # step -> the mark of its first bucket's hook call
-
-    def bucket_called(self, step: int, index: int, device: torch.device) -> None:
-        if self.clock is None:
-            self.clock = Clock(device)
-        mark = self.clock.mark()
-        self.steps.setdefault(step, []).append((index, mark))
-        self.starts.setdefault(step, mark)
-
-    def allreduce_launched(self, step: int, nbytes: int):
-        """Returns what the allreduce's completion callback calls (on the stream that waits for it, on a GPU)."""
-        if self.clock is None or step not in self.steps:
-            return lambda: None
-        entry = (nbytes, self.clock.mark(), [])
-        self.allreduces.setdefault(step, []).append(entry)
-        return lambda: entry[2].append(self.clock.mark())
-
-    def step_started(self, step: int, device: torch.device) -> None:
-        """A step's first bucket reached the hook: step_seconds() takes the times between consecutive steps."""
-        if self.clock is None:
-            self.clock = Clock(device)
-        self.starts.setdefault(step, self.clock.mark())
-
-    def step_seconds(self) -> dict[int, float]:
-        """step -> seconds from its first hook call to the next step's (every step of it: forward, backward,
-        communication, optimizer), for each step whose next one was marked too."""
-        return {s: self.clock.seconds(mark, self.starts[s + 1]) for s, mark in self.starts.items()
-                if s + 1 in self.starts}
-
-    def ready_offsets(self, indices: list[int]) -> list[float] | None:
-        """Per bucket (in the order given), the median over the warm-up steps of its hook call after the first's;
-        None where no step called every one of them."""
-        offsets = []
-        for marks in self.steps.values():
-            by_index = dict(marks)
-            if set(indices) <= set(by_index):
-                first = marks[0][1]
-                offsets.append([self.clock.seconds(first, by_index[i]) for i in indices])
-        if not offsets:
-            return None
-        return [statistics.median(column) for column in zip(*offsets)]
-
-    def allreduce_points(self) -> list[tuple[int, float]]:
-        """(bytes, seconds) of each warm-up allreduce that had the link to itself: launched after the one before had
-        completed, and completed before the next was launched (gloo runs collectives on several threads at once, and
-        NCCL's overlap as well; overlapping ones share the link, and their times say nothing of one alone)."""
-        points = []
-        for step, entries in self.allreduces.items():
-            origin = self.steps[step][0][1]
-            since = lambda mark: self.clock.seconds(origin, mark)  # noqa: E731
-            spans = [(nbytes, since(launched), since(done[0])) for nbytes, launched, done in entries if done]
-            for i, (nbytes, start, end) in enumerate(spans):
-                alone = (i == 0 or spans[i - 1][2] <= start) and (i + 1 == len(spans) or end <= spans[i + 1][1])
-                if alone and end > start:
-                    points.append((nbytes, end - start))
-        return points
-
-
-class DryStep:
-    """What a bucket plan's launch needs of the hook's Step, with local copies for collectives: a launch on it times
-    the plan's kernels and everything the hook does around them, on this device, without the network. Each "rank"
-    receives what this rank sends (as if every rank held its gradient). `marks` gets the clock's mark as each
-    collective is issued (the reduce-scatter inside a node, waited for on the hook's thread, aside): the encode ends
-    at the first, the middle of a two-round plan at the last."""
-
-    def __init__(self, world: int, rank: int, nodes, clock: Clock, marks: list | None = None):
-        self.world, self.rank, self.step, self.nodes, self.clock = world, rank, 0, nodes, clock
-        self.decode_status, self.counts_nonfinite = None, False
-        self.marks = [] if marks is None else marks
-
-    def on(self, group, world: int, rank: int) -> "DryStep":
-        return DryStep(world, rank, self.nodes, self.clock, self.marks)
-
-    def add(self, key: str, value: float) -> None:
-        pass
-
-    def count_nonfinite(self, finite: torch.Tensor) -> None:
-        pass
-
-    new_future = staticmethod(Step.new_future)
-
-    def _done(self, value, device) -> torch.futures.Future:
-        future = self.new_future(device)
-        future.set_result(value)
-        return future
-
-    def allreduce(self, tensor: torch.Tensor) -> torch.futures.Future:
-        self.marks.append(self.clock.mark())
-        return self._done([tensor], tensor.device)
-
-    def all_gather(self, out: torch.Tensor, tensor: torch.Tensor) -> torch.futures.Future:
-        self.marks.append(self.clock.mark())  # before the local copy, which stands for the wire
-        out.view(self.world, -1).copy_(tensor.reshape(1, -1).expand(self.world, -1))
-        return self._done([out], out.device)
-
-    def all_to_all(self, out: torch.Tensor, tensor: torch.Tensor, out_splits, in_splits) -> torch.futures.Future:
-        self.marks.append(self.clock.mark())
-        start = sum(in_splits[: self.rank])
-        mine = tensor[start: start + in_splits[self.rank]]
-        out.view(self.world, -1).copy_(mine.reshape(1, -1).expand(self.world, -1))
-        return self._done([out], out.device)
-
-    def reduce_scatter_now(self, out: torch.Tensor, tensor: torch.Tensor) -> None:
-        out.copy_(tensor.view(self.world, -1)[self.rank])
-
-    def chain_in_order(self, first, prepare, second, callback, result, device, round_: int = 1) -> None:
-        try:
-            done = first()
-            prepare(done)
-            callback(second())
-        except BaseException as error:  # noqa: BLE001 - ends in result, as the hook's Step does
-            if not result.done():
-                result.set_exception(error)
-
-
-def time_plan(plan, sample: torch.Tensor, world: int, rank: int, nodes, clock: Clock, repeats: int = 2) -> list:
-    """Marks (start, first collective, last collective, end) of plan's launch on a copy of sample (tiled to the
-    bucket's size), its collectives local (DryStep), `repeats` runs after an untimed one (read with plan_seconds)."""
-    flat = sample.detach().reshape(-1)
-    flat = flat.repeat(math.ceil(plan.numel / max(flat.numel(), 1)))[: plan.numel]
-    runs = []
-    for _ in range(repeats + 1):
-        data = flat.clone()
-        views = [part.view(shape) for part, shape in zip(data.split([s.numel() for s in plan.shapes]), plan.shapes)]
-        step = DryStep(world, rank, nodes, clock)
-        start = clock.mark()
-        plan.launch(step, data, views).wait()
-        end = clock.mark()
-        runs.append((start, step.marks[0] if step.marks else end, step.marks[-1] if step.marks else end, end))
-    return runs[1:]
-
-
-def plan_seconds(runs: list, clock: Clock) -> tuple[float, float, float]:
-    """(encode, middle, decode): the least time to the first collective, the least from there to the last, and the
-    least of the rest (after clock.sync())."""
-    encode = min(clock.seconds(start, first) for start, first, _, _ in runs)
-    middle = min(clock.seconds(first, last) for _, first, last, _ in runs)
-    total = min(clock.seconds(start, end) for start, _, _, end in runs)
-    return encode, middle, max(total - encode - middle, 0.0)
-
-
-def _probe(group, kind: str, nbytes: int, device: torch.device, clock: Clock) -> tuple:
-    """Marks around PROBE_REPEATS runs of one collective of nbytes per rank (after one untimed)."""
-    world = dist.get_world_size(group)
-    nbytes = max(world * 4, nbytes - nbytes % (world * 4))
-    data = torch.zeros(nbytes // 4, dtype=torch.float32, device=device)
-    if kind == "allreduce":
-        run = lambda: dist.all_reduce(data, group=group, async_op=True)  # noqa: E731
-    elif kind == "all-gather":
-        out = torch.empty(world * data.numel(), dtype=data.dtype, device=device)
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # as the schemes call it
-        run = lambda: gather(out, data, group=group, async_op=True)  # noqa: E731
-    elif kind == "all-to-all":
-        out = torch.empty_like(data)
-        run = lambda: dist.all_to_all_single(out, data, group=group, async_op=True)  # noqa: E731
-    else:
-        out = torch.empty(data.numel() // world, dtype=data.dtype, device=device)
-        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        run = lambda: scatter(out, data, group=group, async_op=True)  # noqa: E731
-    run().wait()
-    marks = []
-    for _ in range(PROBE_REPEATS):
-        start = clock.mark()
-        run().wait()
-        marks.append((start, clock.mark()))
-    return nbytes, marks
-
-
-def measure_links(needed: dict[str, list[str]], groups: dict, bucket_bytes: list[int], device: torch.device,
-                  clock: Clock, warmup_points: list) -> dict[str, Curve]:
-    """Curves for each level's needed kinds: probes at PROBE_BYTES up to the largest bucket (every rank in the same
-    order), and for the whole group's allreduce the warm-up's own allreduces of the buckets, at their sizes too."""
-    largest = max(bucket_bytes, default=0)
-    sizes = sorted({min(b, max(largest, PROBE_BYTES[0])) for b in PROBE_BYTES})
-    marks = {}
-    for level, kinds in needed.items():
-        for kind in kinds:
-            marks[f"{level}/{kind}"] = [_probe(groups[level], kind, size, device, clock) for size in sizes]
-    clock.sync()
-    curves = {}
-    for key, probes in marks.items():
-        points = [(nbytes, min(clock.seconds(a, b) for a, b in runs)) for nbytes, runs in probes]
-        at = [nbytes for nbytes, _ in points]
-        if key == "world/allreduce":
-            points += warmup_points
-            at += bucket_bytes
-        curves[key] = Curve.through(points, at)
-    return curves
-
-
-def measure_kernels(codec, sample: torch.Tensor, largest: int, clock: Clock) -> dict[str, Line]:
-    """The codec's kernels timed at two sizes (the largest bucket and 1/64 of it), on the gradient in hand tiled to
-    those sizes: encode and decode for the wire-format codecs, the round trip for powersgd."""
-    sizes = sorted({max(1, largest // 64), max(largest, 1)})
-    flat = sample.detach().reshape(-1)
-    if flat.numel() == 0:
-        flat = torch.ones(1, dtype=sample.dtype, device=sample.device)
-    marks: dict[str, list] = {}
-    for size in sizes:
-        data = flat.repeat(math.ceil(size / flat.numel()))[:size].clone()
-        for name, run in _kernel_runs(codec, data).items():
-            run()
-            start = clock.mark()
-            run()
-            marks.setdefault(name, []).append((size, start, clock.mark()))
-    clock.sync()
-    units = codec.rank if isinstance(codec, PowerSGD) else 1
-    return {name: Line.fit([(size * units, clock.seconds(a, b)) for size, a, b in runs]) for name, runs in marks.items()}
-
-
-def _kernel_runs(codec, data: torch.Tensor) -> dict:
-    if isinstance(codec, PowerSGD):
-        rows = max(1, int(math.sqrt(data.numel())))
-        matrix = data[: rows * (data.numel() // rows)].view(rows, -1)
-        q = torch.randn(matrix.shape[1], codec.rank, device=data.device)
-        return {"powersgd": lambda: codec.roundtrip(matrix, None, q)}
-    residual = torch.zeros_like(data) if codec.error_feedback else None
-    payload = codec.encode(data, None if residual is None else residual.clone())
-    out = torch.empty_like(data)
-    return {"encode": lambda: codec.encode(data, None if residual is None else residual.clone()),
-            "decode": lambda: codec.decode_sum(payload.view(1, -1), out, 1.0)}
-
-
-def needed_links(options, codec) -> dict[str, list[str]]:
-    """The (level, collective kinds) the options' costs read, in one order on every rank."""
-    kinds = {"plain": {"allreduce"}, "allreduce": {"allreduce"}, "powersgd": {"allreduce"},
-             "allgather": {"all-gather"}, "two-phase": {"all-to-all", "all-gather"}}
-    needed = {"world": [k for k in KINDS if any(k in kinds.get(o, ()) for o in options)]}
-    if "hierarchical" in options:
-        needed["inside"] = ["all-gather", "reduce-scatter"]
-        summable = isinstance(codec, PowerSGD) or codec.collective == "allreduce"
-        needed["across"] = ["allreduce"] if summable else ["all-gather", "all-to-all"]
-    return needed
-
-
-def combine(model: CostModel, ready: list[float] | None, buckets: int, group, device: torch.device,
-            measured: list[dict] | None = None):
-    """Every rank's measurements, the largest of each (the slowest rank sets the pace): one allreduce, after which
-    every rank holds the same numbers. Returns (model, ready, measured), ready None where any rank lacks it."""
-    links, kernels = sorted(model.links), sorted(model.kernels)
-    measured_lines = [model.links[key] for key in links] + [model.kernels[key] for key in kernels]
-    values = [x for line in measured_lines for x in line.params()]
-    timed = [(i, o) for i, per_option in enumerate(measured or []) for o in sorted(per_option)]
-    values += [x for i, o in timed for x in measured[i][o]]
-    values += [1.0 if ready is None else 0.0, *(ready if ready is not None else [0.0] * buckets)]
-    tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    if dist.get_world_size(group) > 1:
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
-    values = tensor.cpu().tolist()
-    lines, at = [], 0
-    for line in measured_lines:  # the same structure on every rank: the same kinds, and curves at the same sizes
-        width = len(line.params())
-        lines.append(line.with_params(values[at:at + width]))
-        at += width
-    combined = CostModel(dict(zip(links, lines[:len(links)])), dict(zip(kernels, lines[len(links):])))
-    if measured is not None:
-        width = len(measured[timed[0][0]][timed[0][1]]) if timed else 0
-        measured = [dict() for _ in measured]
-        for k, (i, o) in enumerate(timed):
-            measured[i][o] = tuple(values[at + width * k: at + width * (k + 1)])
-        at += width * len(timed)
-    missing, offsets = values[at], values[at + 1:]
-    return combined, (None if missing else offsets), measured
-
-
 # -- the decision, and how it reads -------------------------------------------------------------------------------
 
 
+LOAD_BOUNDS = (0.5, 4.0)  # a warm-up step's window that implies more is taken as noise, not as the links' pace
+
+
+def link_load(ready: list[float], plain: list[Cost], window: float | None) -> float:
+    """How much longer the collectives take inside a step than their probes alone (CPU cores shared with backward
+    and the other ranks, a rank waiting for the slowest one's backward): the factor on every collective's time that
+    makes the plain queue end where the warm-up's plain steps did (bisection: the exposed time grows with it), within
+    LOAD_BOUNDS; 1 where no window was measured or the plain queue hides whole behind backward."""
+    def plain_exposed(load):
+        return exposed(ready, [c.loaded(load) for c in plain])
+
+    low, high = LOAD_BOUNDS
+    if window is None or plain_exposed(high) <= 0.0:
+        return 1.0
+    if plain_exposed(low) >= window:
+        return low
+    if plain_exposed(high) <= window:
+        return high
+    for _ in range(40):
+        middle = (low + high) / 2
+        low, high = (middle, high) if plain_exposed(middle) < window else (low, middle)
+    return (low + high) / 2
+
+
 def decide(model: CostModel, ready: list[float] | None, buckets: list[dict], codec, scheme_option: str, world: int,
-           node_size: int | None, step: int, measured: list[dict] | None = None) -> dict:
+           node_size: int | None, step: int, measured: list[dict] | None = None,
+           plain_window: float | None = None) -> dict:
     """The decision for buckets ({"index", "shapes", "dtype"} in launch order): JSON-able, kept in the state.
     measured: per bucket, {option: (encode, middle, decode) seconds} of its plans' own launches, else the model's
-    kernels."""
+    kernels. plain_window: the warm-up's plain steps' communication beyond backward (seconds), which sets the load
+    (link_load)."""
     options = candidates(codec, scheme_option, node_size is not None)
     overlap = ready is not None
     ready = ready if overlap else [0.0] * len(buckets)
     measured = measured or [None] * len(buckets)
-    costs = [option_costs(model, options, codec, b["shapes"], b["dtype"], world, node_size, m)
+    alone = [option_costs(model, options, codec, b["shapes"], b["dtype"], world, node_size, m)
              for b, m in zip(buckets, measured)]
+    load = link_load(ready, [c["plain"] for c in alone], plain_window)
+    costs = [{o: c.loaded(load) for o, c in per_option.items()} for per_option in alone]
     choice = choose(ready, costs)
     fixed = {o: exposed(ready, [c[o] for c in costs]) for o in options}
     return {
         "step": step, "world_size": world, "node_size": node_size, "overlap_measured": overlap,
-        "model": model.to_dict(), "options": options,
+        "model": model.to_dict(), "options": options, "plain_window_s": plain_window, "link_load": load,
         "buckets": [{"index": b["index"], "elements": sum(torch.Size(s).numel() for s in b["shapes"]),
                      "bytes": sum(torch.Size(s).numel() for s in b["shapes"]) * b["dtype"].itemsize,
                      "ready_s": r, "choice": name,
@@ -690,6 +422,9 @@ def explain(decision: dict | None, spec: str) -> str:
              + (f" ({decision['node_size']} per node)" if decision["node_size"] else "")
              + ("" if decision["overlap_measured"] else "; overlap with backward not measured (assumed none)"),
              f"{'bucket':>6} {'MB':>8} " + " ".join(f"{o + ' ms':>16}" for o in options) + "  choice"]
+    if decision.get("plain_window_s") is not None:
+        lines.insert(1, f"collectives taken at {decision['link_load']:.2f}x their probes' times, as the warm-up's "
+                        f"plain steps spent {decision['plain_window_s'] * 1e3:.2f} ms beyond backward")
     for bucket in decision["buckets"]:
         times = " ".join(f"{sum(bucket['predicted_s'][o]) * 1e3:16.2f}" for o in options)
         lines.append(f"{bucket['index']:>6} {bucket['bytes'] / 1e6:8.2f} {times}  {bucket['choice']}")

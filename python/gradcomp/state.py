@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from . import _ops
 from ._futures import value_or_raise
+from . import measure
 from . import nodes as node_layout
 from . import policy as time_policy
 from . import trial as policy_trial
@@ -118,7 +119,7 @@ class CompressionState(StateCheckpoints):
         self._sequencer = Sequencer()
         self._checks = DecodeChecks()
         self._device_counts = DeviceCounts()
-        self._timings = time_policy.WarmupTimings()
+        self._timings = measure.WarmupTimings()
 
     # -- configuration ---------------------------------------------------------------------------------------------
 
@@ -502,34 +503,37 @@ class CompressionState(StateCheckpoints):
         buckets = [{"index": b.index, "shapes": b.shapes, "dtype": b.dtype} for b in layouts]
         two_levels = self._nodes is not None and self._nodes.inside is not None
         options = time_policy.candidates(self.codec, self.scheme, two_levels)
-        needed = time_policy.needed_links(options, self.codec)
+        needed = measure.needed_links(options, self.codec)
         groups = {"world": step.group, **({"inside": self._nodes.inside, "across": self._nodes.across}
                                           if two_levels else {})}
         bucket_bytes = [sum(torch.Size(s).numel() for s in b["shapes"]) * b["dtype"].itemsize for b in buckets]
-        clock = time_policy.Clock(buffer.device)
+        clock = measure.Clock(buffer.device)
         self._timings.step_started(self.iter, buffer.device)  # the end of the last plain step
         clock.sync()  # on a GPU, the warm-up's events are read now: the decision's one wait for the device
         plain_steps = list(self._timings.step_seconds().values())
         plain_step = statistics.median(plain_steps) if plain_steps else \
             ((self._decision or {}).get("trial") or {}).get("plain_step_s")  # re-measured: as the warm-up showed
         if self._decision is None:
-            links = time_policy.measure_links(needed, groups, bucket_bytes, buffer.device, clock,
-                                              self._timings.allreduce_points())
+            links = measure.measure_links(needed, groups, bucket_bytes, buffer.device, clock,
+                                          self._timings.allreduce_points())
             ready = self._timings.ready_offsets([b["index"] for b in buckets])
-        else:  # re-measured: the links and kernels anew, the backward's pace as the warm-up showed it
-            links = time_policy.measure_links(needed, groups, bucket_bytes, buffer.device, clock, [])
+            windows = self._timings.plain_windows()
+            window = statistics.median(windows) if windows else None
+        else:  # re-measured: the links and kernels anew, the backward's pace and plain's window as the warm-up showed
+            links = measure.measure_links(needed, groups, bucket_bytes, buffer.device, clock, [])
             saved = {b["index"]: b["ready_s"] for b in self._decision["buckets"]}
             ready = [saved[b["index"]] for b in buckets] if all(b["index"] in saved for b in buckets) and \
                 self._decision["overlap_measured"] else None
+            window = self._decision.get("plain_window_s")
         node_size = self._nodes.node_size if two_levels else None
         measured = self._time_plans(step, buffer, buckets, [o for o in options if o != "plain"], clock)
-        model, ready, measured = time_policy.combine(time_policy.CostModel(links, {}), ready, len(buckets),
-                                                     step.group, buffer.device, measured)
+        model, ready, measured, window = measure.combine(time_policy.CostModel(links, {}), ready, len(buckets),
+                                                         step.group, buffer.device, measured, window)
         self._decision = time_policy.decide(model, ready, buckets, self.codec, self.scheme, step.world, node_size,
-                                            self.iter, measured)
+                                            self.iter, measured, window)
         plain_step = policy_trial.max_over_ranks(plain_step, step.group, buffer.device)
         self._decision["trial"] = policy_trial.plan(self._decision, self.trial_steps, plain_step)
-        self._timings = time_policy.WarmupTimings()
+        self._timings = measure.WarmupTimings()
         if self._trial_running():  # the trial's first step is this one: its switch, which the verdict looks for
             self._timings.step_started(self.iter, buffer.device)
         logger.info("%s", time_policy.explain(self._decision, self.spec))
@@ -552,12 +556,12 @@ class CompressionState(StateCheckpoints):
         self._timings.step_started(self.iter, buffer.device)
         name = policy_trial.candidate_at(trial, self.iter)
         if name is None:
-            time_policy.Clock(buffer.device).sync()  # on a GPU, the trial's events are read now: one wait per verdict
+            measure.Clock(buffer.device).sync()  # on a GPU, the trial's events are read now: one wait per verdict
             trial = policy_trial.verdict(trial, self._timings.step_seconds(), step.group, buffer.device, self.iter)
             self._decision["trial"] = trial
             name = trial["chosen"] or policy_trial.candidate_at(trial, self.iter)  # a close call: one more round
             if trial["chosen"] is not None:
-                self._timings = time_policy.WarmupTimings()
+                self._timings = measure.WarmupTimings()
         for bucket, choice in zip(self._decision["buckets"], trial["choices"][name]):
             bucket["choice"] = choice
         self._retire_changed_plans()
@@ -589,9 +593,9 @@ class CompressionState(StateCheckpoints):
                 plan = make_plan(plan_type, self.codec, bucket["index"], range(len(shapes)), shapes, bucket["dtype"],
                                  buffer.device, world=step.world, rank=step.rank,
                                  node_size=self._nodes.node_size if two_levels else None)
-                timed[key][option] = time_policy.time_plan(plan, buffer, step.world, step.rank, self._nodes, clock)
+                timed[key][option] = measure.time_plan(plan, buffer, step.world, step.rank, self._nodes, clock)
         clock.sync()
-        seconds = {key: {o: time_policy.plan_seconds(runs, clock) for o, runs in per_option.items()}
+        seconds = {key: {o: measure.plan_seconds(runs, clock) for o, runs in per_option.items()}
                    for key, per_option in timed.items()}
         return [seconds[(timed_shapes(b), b["dtype"])] for b in buckets]
 

@@ -9,6 +9,7 @@ import os
 import torch
 
 import gradcomp
+import gradcomp.measure as measure
 import gradcomp.policy as time_policy
 import gradcomp.trial as policy_trial
 from ddp_scenarios import make_model, train, wrap
@@ -29,7 +30,7 @@ def scheduled(schedule):
 
 def skewed(rank: int, skew: float, seen: list):
     """A stand-in for the links' measurement that makes each rank's differ (x 1 + skew x rank), recording it."""
-    measure_links = time_policy.measure_links
+    measure_links = measure.measure_links
 
     def scaled(*args):
         lines = {k: v.with_params([x * (1 + skew * rank) for x in v.params()])
@@ -67,7 +68,7 @@ def recorded(rank, world, spec, options, steps, schedule=None, skew=None, trial_
         time_policy.choose = scheduled(schedule)
     seen: list = []
     if skew is not None:
-        time_policy.measure_links = skewed(rank, skew, seen)
+        measure.measure_links = skewed(rank, skew, seen)
     if trial_seconds is not None:
         scripted_trial(rank, trial_seconds)
     options = {"trial_steps": 0, **options}

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import gradcomp
+import gradcomp.measure as measure
 import gradcomp.policy as time_policy
 import gradcomp.schemes
 import gradcomp.trial as policy_trial
@@ -57,11 +58,38 @@ def test_a_curve_follows_a_token_bucket_link_that_one_line_misses():
     def shaped(n):
         return 2e-4 + min(n, 131072) / 1e9 + max(n - 131072, 0) / 12.5e6
 
-    probes = [(n, shaped(n)) for n in time_policy.PROBE_BYTES]
+    probes = [(n, shaped(n)) for n in measure.PROBE_BYTES]
     curve, line = Curve.through(probes, at=[n for n, _ in probes]), Line.fit(probes)
     for n in (5 << 20, 600 << 10):
         assert curve(n) == pytest.approx(shaped(n), rel=0.10)
     assert max(abs(line(n) / shaped(n) - 1) for n in (5 << 20, 600 << 10)) > 0.25
+
+
+def test_the_load_makes_the_plain_queue_end_where_the_warm_ups_plain_steps_did():
+    # Two plain buckets ready at 0 and 10 ms, 6 ms on the wire each: the first hides, the second is exposed whole.
+    plain = [Cost(0.0, 0.006, 0.0)] * 2
+    assert time_policy.link_load([0.0, 0.010], plain, None) == 1.0  # no window measured
+    # A 9 ms window: 1.5x the wire (the first's 9 ms still end before 10 ms).
+    assert time_policy.link_load([0.0, 0.010], plain, 0.009) == pytest.approx(1.5, rel=1e-6)
+    # A 22 ms window: at 2x, 12 ms each: the first ends at 12, the second 12-24: 14 ms; at 2.5x, 15 + 15 = 30 - 10:
+    # 20 ms; at 8/3 x, 16 + 16 - 10 = 22 ms (the queue, not the ratio 22 / 6).
+    assert time_policy.link_load([0.0, 0.010], plain, 0.022) == pytest.approx(8 / 3, rel=1e-6)
+    low, high = time_policy.LOAD_BOUNDS
+    assert time_policy.link_load([0.0, 0.010], plain, 1.0) == high
+    assert time_policy.link_load([0.0, 0.010], plain, 1e-6) == low
+    assert time_policy.link_load([0.0, 0.010], plain, 0.004) == pytest.approx(2 / 3, rel=1e-6)  # under the probes
+    assert time_policy.link_load([0.0], [Cost(0.0, 0.0, 0.0)], 0.004) == 1.0  # no collective (one rank) to scale
+    # The load scales the collectives only, not the kernels' dry-run times.
+    assert Cost(1.0, 2.0, 3.0, 4.0, 5.0).loaded(2.0) == Cost(1.0, 4.0, 3.0, 4.0, 10.0)
+
+
+def test_the_plain_window_runs_from_the_last_bucket_to_the_last_allreduce():
+    timings = measure.WarmupTimings()
+    timings.clock = measure.Clock(torch.device("cpu"))
+    # step 1: buckets called at 0 and 5; allreduces end at 4 and 12: 7 after the last call. step 2: one never ended.
+    timings.steps = {1: [(0, 0.0), (1, 5.0)], 2: [(0, 20.0), (1, 26.0)]}
+    timings.allreduces = {1: [(8, 0.0, [12.0]), (8, 5.0, [4.0])], 2: [(8, 20.0, [30.0]), (8, 26.0, [])]}
+    assert timings.plain_windows() == [7.0]
 
 
 def test_the_exposed_time_is_the_queue_of_collectives_after_backward():
@@ -185,6 +213,8 @@ def test_every_rank_takes_the_same_decision_when_their_measurements_differ(world
         assert combined["seconds"] == [max(at_size) for at_size in zip(*(m["seconds"] for m in measured))]
     assert len({r["explain"] for r in results}) == 1
     assert results[0]["stats"]["decision"]["buckets"][0]["choice"] in results[0]["decisions"][0]["options"]
+    decision, (low, high) = results[0]["decisions"][0], time_policy.LOAD_BOUNDS
+    assert decision["plain_window_s"] > 0 and low <= decision["link_load"] <= high  # the warm-up's plain window
 
 
 SCHEDULE = [["two-phase", "plain"], ["plain"], ["allgather"], ["two-phase"], ["plain", "allgather"]]
