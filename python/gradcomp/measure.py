@@ -44,14 +44,14 @@ class Clock:
 
 
 class WarmupTimings:
-    """What the plain warm-up steps show: when each bucket's hook was called (backward's progress), and each plain
-    allreduce from its launch to its completion; and each step's start, there and during the trial (gradcomp.trial).
-    Kept in memory only: a decision is taken once, and saved."""
+    """What the plain warm-up steps show: when each bucket's hook was called (backward's progress), and when each plain
+    allreduce completed; and each step's start, there and during the trial (gradcomp.trial). Kept in memory only: a
+    decision is taken once, and saved."""
 
     def __init__(self):
         self.clock = None
         self.steps: dict[int, list] = {}  # step -> [(bucket index, mark)] in launch order
-        self.allreduces: dict[int, list] = {}  # step -> [(bytes, launch mark, [completion mark])]
+        self.allreduces: dict[int, list] = {}  # step -> per launched allreduce, [its completion's mark] once done
         self.starts: dict[int, Any] = {}  # step -> the mark of its first bucket's hook call
 
     def bucket_called(self, step: int, index: int, device: torch.device) -> None:
@@ -61,13 +61,13 @@ class WarmupTimings:
         self.steps.setdefault(step, []).append((index, mark))
         self.starts.setdefault(step, mark)
 
-    def allreduce_launched(self, step: int, nbytes: int):
+    def allreduce_launched(self, step: int):
         """Returns what the allreduce's completion callback calls (on the stream that waits for it, on a GPU)."""
         if self.clock is None or step not in self.steps:
             return lambda: None
-        entry = (nbytes, self.clock.mark(), [])
-        self.allreduces.setdefault(step, []).append(entry)
-        return lambda: entry[2].append(self.clock.mark())
+        done: list = []
+        self.allreduces.setdefault(step, []).append(done)
+        return lambda: done.append(self.clock.mark())
 
     def step_started(self, step: int, device: torch.device) -> None:
         """A step's first bucket reached the hook: step_seconds() takes the times between consecutive steps."""
@@ -98,26 +98,11 @@ class WarmupTimings:
         """Per warm-up step whose allreduces all completed, the seconds from its last bucket's hook call to its last
         allreduce's completion: the plain step's communication beyond backward, as the model predicts it."""
         windows = []
-        for step, entries in self.allreduces.items():
-            if entries and all(done for _, _, done in entries):
+        for step, completions in self.allreduces.items():
+            if completions and all(completions):
                 last_called = self.steps[step][-1][1]
-                windows.append(max(0.0, *(self.clock.seconds(last_called, done[0]) for _, _, done in entries)))
+                windows.append(max(0.0, *(self.clock.seconds(last_called, done[0]) for done in completions)))
         return windows
-
-    def allreduce_points(self) -> list[tuple[int, float]]:
-        """(bytes, seconds) of each warm-up allreduce that had the link to itself: launched after the one before had
-        completed, and completed before the next was launched (gloo runs collectives on several threads at once, and
-        NCCL's overlap as well; overlapping ones share the link, and their times say nothing of one alone)."""
-        points = []
-        for step, entries in self.allreduces.items():
-            origin = self.steps[step][0][1]
-            since = lambda mark: self.clock.seconds(origin, mark)  # noqa: E731
-            spans = [(nbytes, since(launched), since(done[0])) for nbytes, launched, done in entries if done]
-            for i, (nbytes, start, end) in enumerate(spans):
-                alone = (i == 0 or spans[i - 1][2] <= start) and (i + 1 == len(spans) or end <= spans[i + 1][1])
-                if alone and end > start:
-                    points.append((nbytes, end - start))
-        return points
 
 
 class DryStep:
@@ -230,11 +215,11 @@ def _probe(group, kind: str, nbytes: int, device: torch.device, clock: Clock) ->
     return nbytes, marks
 
 
-def measure_links(needed: dict[str, list[str]], groups: dict, bucket_bytes: list[int], device: torch.device,
-                  clock: Clock, warmup_points: list) -> dict[str, Curve]:
-    """Curves for each level's needed kinds: probes at PROBE_BYTES up to the largest bucket (every rank in the same
-    order), and for the whole group's allreduce the warm-up's own allreduces of the buckets, at their sizes too."""
-    largest = max(bucket_bytes, default=0)
+def measure_links(needed: dict[str, list[str]], groups: dict, largest: int, device: torch.device,
+                  clock: Clock) -> dict[str, Curve]:
+    """Curves for each level's needed kinds: probes at PROBE_BYTES up to the largest bucket, every rank in the same
+    order. The collectives alone: how much longer they take inside a step, the plain warm-up steps show (the load,
+    gradcomp.policy.link_load)."""
     sizes = sorted({min(b, max(largest, PROBE_BYTES[0])) for b in PROBE_BYTES})
     marks = {}
     for level, kinds in needed.items():
@@ -244,11 +229,7 @@ def measure_links(needed: dict[str, list[str]], groups: dict, bucket_bytes: list
     curves = {}
     for key, probes in marks.items():
         points = [(nbytes, min(clock.seconds(a, b) for a, b in runs)) for nbytes, runs in probes]
-        at = [nbytes for nbytes, _ in points]
-        if key == "world/allreduce":
-            points += warmup_points
-            at += bucket_bytes
-        curves[key] = Curve.through(points, at)
+        curves[key] = Curve.through(points, at=[nbytes for nbytes, _ in points])
     return curves
 
 

@@ -3,9 +3,9 @@ take), from a cost model measured on the job itself, never what the model predic
 
 The model
     collectives: seconds per bytes, per kind (allreduce, all-gather, all-to-all, reduce-scatter) and level (the
-        whole group; inside a node and across nodes where the ranks form several nodes of several), measured at the
-        decision by probes of each kind at sizes 4x apart, and at the buckets' own sizes by the plain warm-up steps'
-        allreduces; straight between the measured sizes (a Curve: a link is not one alpha + beta x bytes line);
+        whole group; inside a node and across nodes where the ranks form several nodes of several), measured alone
+        at the decision by probes of each kind at sizes 4x apart, straight between them (a Curve: a link is not one
+        alpha + beta x bytes line); taken at the load below;
     compute: each option's plan launched on the gradient in hand (tiled to the bucket's size) with local collectives
         (gradcomp.measure's DryStep), timed per bucket shape on this device and dtype: the codec's kernels and all
         the hook does around them, split at the first collective into encode and decode (the planner, gradcomp.plan,
@@ -25,9 +25,10 @@ The model
         A bucket whose communication hides behind later buckets' backward gains nothing from compression, and the
         choice leaves it plain.
     load: collectives inside a step take longer than their probes alone where the cores are shared with backward
-        and the other ranks, and where a rank waits for the slowest one's backward. The warm-up's plain steps show
-        by how much: every collective's time is taken at the factor (link_load) that makes the plain queue end
-        where their communication did, beyond backward (the kernels' dry-run times as measured).
+        and the other ranks, and where a rank waits for the slowest one's backward. The warm-up's plain steps, whose
+        allreduces are of the real buckets, show by how much: every collective's time is taken at the factor
+        (link_load) that makes the plain queue end where their communication did, beyond backward (the kernels'
+        dry-run times as measured).
 The decision, at the first step after the warm-up: every rank measures; one allreduce (MAX: the slowest rank sets
 the pace) combines the measurements; every rank then chooses from the same numbers by the same arithmetic: per
 bucket the option with the least encode + wire + decode where it beats plain by MARGIN, then, bucket by bucket,

@@ -262,8 +262,7 @@ class CompressionState(StateCheckpoints):
             if not compressible:
                 future = self._plain(step, buffer)
             elif starting and self.start_codec is None:
-                completed = self._timings.allreduce_launched(self.iter, buffer.numel() * buffer.element_size()) \
-                    if timed else None
+                completed = self._timings.allreduce_launched(self.iter) if timed else None
                 future = self._plain_as_recorded(step, bucket, buffer)
                 if completed is not None:
                     future = future.then(lambda done: (completed(), done.value())[1])
@@ -506,7 +505,8 @@ class CompressionState(StateCheckpoints):
         needed = measure.needed_links(options, self.codec)
         groups = {"world": step.group, **({"inside": self._nodes.inside, "across": self._nodes.across}
                                           if two_levels else {})}
-        bucket_bytes = [sum(torch.Size(s).numel() for s in b["shapes"]) * b["dtype"].itemsize for b in buckets]
+        largest = max((sum(torch.Size(s).numel() for s in b["shapes"]) * b["dtype"].itemsize for b in buckets),
+                      default=0)
         clock = measure.Clock(buffer.device)
         self._timings.step_started(self.iter, buffer.device)  # the end of the last plain step
         clock.sync()  # on a GPU, the warm-up's events are read now: the decision's one wait for the device
@@ -514,13 +514,12 @@ class CompressionState(StateCheckpoints):
         plain_step = statistics.median(plain_steps) if plain_steps else \
             ((self._decision or {}).get("trial") or {}).get("plain_step_s")  # re-measured: as the warm-up showed
         if self._decision is None:
-            links = measure.measure_links(needed, groups, bucket_bytes, buffer.device, clock,
-                                          self._timings.allreduce_points())
+            links = measure.measure_links(needed, groups, largest, buffer.device, clock)
             ready = self._timings.ready_offsets([b["index"] for b in buckets])
             windows = self._timings.plain_windows()
             window = statistics.median(windows) if windows else None
         else:  # re-measured: the links and kernels anew, the backward's pace and plain's window as the warm-up showed
-            links = measure.measure_links(needed, groups, bucket_bytes, buffer.device, clock, [])
+            links = measure.measure_links(needed, groups, largest, buffer.device, clock)
             saved = {b["index"]: b["ready_s"] for b in self._decision["buckets"]}
             ready = [saved[b["index"]] for b in buckets] if all(b["index"] in saved for b in buckets) and \
                 self._decision["overlap_measured"] else None

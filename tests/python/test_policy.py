@@ -88,7 +88,7 @@ def test_the_plain_window_runs_from_the_last_bucket_to_the_last_allreduce():
     timings.clock = measure.Clock(torch.device("cpu"))
     # step 1: buckets called at 0 and 5; allreduces end at 4 and 12: 7 after the last call. step 2: one never ended.
     timings.steps = {1: [(0, 0.0), (1, 5.0)], 2: [(0, 20.0), (1, 26.0)]}
-    timings.allreduces = {1: [(8, 0.0, [12.0]), (8, 5.0, [4.0])], 2: [(8, 20.0, [30.0]), (8, 26.0, [])]}
+    timings.allreduces = {1: [[12.0], [4.0]], 2: [[30.0], []]}
     assert timings.plain_windows() == [7.0]
 
 
