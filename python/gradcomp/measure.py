@@ -229,7 +229,7 @@ def measure_links(needed: dict[str, list[str]], groups: dict, largest: int, devi
     curves = {}
     for key, probes in marks.items():
         points = [(nbytes, min(clock.seconds(a, b) for a, b in runs)) for nbytes, runs in probes]
-        curves[key] = Curve.through(points, at=[nbytes for nbytes, _ in points])
+        curves[key] = Curve.through(points)
     return curves
 
 

@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import bisect
 import math
-import statistics
 from dataclasses import dataclass
 
 import torch
@@ -150,21 +149,18 @@ class Curve:
         return ts[i - 1] + (ts[i] - ts[i - 1]) * (units - xs[i - 1]) / (xs[i] - xs[i - 1])
 
     @classmethod
-    def through(cls, points, at) -> "Curve":
-        """The curve at the sizes `at` (the same on every rank, so that the ranks' curves combine size by size),
-        from (units, seconds) points: the median of the points at each size, straight between sizes, and no size
-        slower than a larger one (noise only adds time, so of two such points the smaller size's is lowered)."""
-        by_size: dict[float, list[float]] = {}
+    def through(cls, points) -> "Curve":
+        """The curve through (units, seconds) points (at sizes the same on every rank, so that the ranks' curves
+        combine size by size), with no size slower than a larger one: noise only adds time, so of two such points
+        the smaller size's is lowered, and of two at one size the slower is dropped."""
+        least: dict[float, float] = {}
         for x, t in points:
-            if x > 0 and t > 0:
-                by_size.setdefault(float(x), []).append(float(t))
-        xs = sorted(by_size)
-        ts = [statistics.median(by_size[x]) for x in xs]
+            least[float(x)] = min(float(t), least.get(float(x), math.inf))
+        xs = sorted(least)
+        ts = [least[x] for x in xs]
         for i in range(len(ts) - 2, -1, -1):
             ts[i] = min(ts[i], ts[i + 1])
-        measured = cls(tuple(xs), tuple(ts))
-        sizes = sorted({float(x) for x in at})
-        return cls(tuple(sizes), tuple(measured(x) for x in sizes))
+        return cls(tuple(xs), tuple(ts))
 
     def params(self) -> list[float]:
         return list(self.seconds)
