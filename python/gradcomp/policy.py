@@ -397,6 +397,7 @@ def decide(model: CostModel, ready: list[float] | None, buckets: list[dict], cod
     costs = [{o: c.loaded(load) for o, c in per_option.items()} for per_option in alone]
     choice = choose(ready, costs)
     fixed = {o: exposed(ready, [c[o] for c in costs]) for o in options}
+    fixed_alone = {o: exposed(ready, [c[o] for c in alone]) for o in options}
     return {
         "step": step, "world_size": world, "node_size": node_size, "overlap_measured": overlap,
         "model": model.to_dict(), "options": options, "plain_window_s": plain_window, "link_load": load,
@@ -406,6 +407,8 @@ def decide(model: CostModel, ready: list[float] | None, buckets: list[dict], cod
                      "predicted_s": {o: c.parts() for o, c in cost.items()}}
                     for b, r, cost, name in zip(buckets, ready, costs, choice)],
         "predicted_exposed_s": {"policy": exposed(ready, [c[n] for c, n in zip(costs, choice)]), **fixed},
+        # the same at the probes' own pace (load 1): the trial prunes only what is slow at both
+        "predicted_exposed_alone_s": {"policy": exposed(ready, [c[n] for c, n in zip(alone, choice)]), **fixed_alone},
     }
 
 

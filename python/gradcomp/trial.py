@@ -6,7 +6,8 @@ So after the model has decided, the run tries its shortlist for a few steps each
 measured fastest:
     the shortlist: the model's choice and each option applied to every bucket (plain included), without those whose
         predicted step (the warm-up's measured plain step, less plain's predicted exposed communication, plus the
-        candidate's) is over PRUNE x the best predicted one: plain at 100 Mbit/s is not worth a trial;
+        candidate's) is over PRUNE x the best predicted one, both at the load the warm-up showed and at the probes'
+        own pace (a load from one warm-up step can be far off): plain at 100 Mbit/s is not worth a trial;
     the schedule: trial_steps rounds; each runs every candidate for one block of BLOCK steps, in an order shuffled
         per round (the same on every rank; the first round starts with the model's choice, which the decision's own
         step sends); the first step of a block (the switch, new plans laid out) is not counted. A core's speed
@@ -90,17 +91,19 @@ def plan(decision: dict, trial_steps: int, plain_step_s: float | None) -> dict |
     if not trial_steps:
         return None
     model_choice = [bucket["choice"] for bucket in decision["buckets"]]
-    predicted = decision["predicted_exposed_s"]
     candidates = {MODEL: model_choice}
     for option in decision["options"]:
         uniform = [option] * len(model_choice)
         if uniform not in candidates.values():
             candidates[option] = uniform
-    if plain_step_s is not None:  # the backward, forward and optimizer's share of a step, as the warm-up measured it
-        compute = max(plain_step_s - predicted["plain"], 0.0)
-        step = {name: compute + predicted["policy" if name == MODEL else name] for name in candidates}
-        best = min(step.values())
-        candidates = {name: c for name, c in candidates.items() if step[name] <= PRUNE * best}
+    if plain_step_s is not None:
+        kept = set()
+        for predicted in (decision["predicted_exposed_s"], decision.get("predicted_exposed_alone_s")):
+            if predicted is not None:  # the backward, forward and optimizer's share of a step, as the warm-up showed
+                compute = max(plain_step_s - predicted["plain"], 0.0)
+                step = {name: compute + predicted["policy" if name == MODEL else name] for name in candidates}
+                kept |= {name for name in candidates if step[name] <= PRUNE * min(step.values())}
+        candidates = {name: c for name, c in candidates.items() if name in kept}
     if len(candidates) < 2:
         return None
     names = list(candidates)

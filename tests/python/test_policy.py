@@ -357,6 +357,13 @@ def test_the_trial_shortlist_drops_what_is_predicted_far_slower_and_schedules_th
     assert [policy_trial.round_at(trial, s) for s in (4, 5, 10, 11, 28, 29)] == [None, 0, 0, 1, 3, None]
     assert [s for s in range(5, 29) if policy_trial.counted(trial, s)] == list(range(6, 29, 2))
     assert len(policy_trial.plan(decision, 4, plain_step_s=None)["names"]) == 4  # nothing measured: nothing pruned
+    # At the probes' own pace plain's exposed time is 0.4 s, its step 2.5 - 0.4 + 0.4: 2.5 s against the model's
+    # 2.1 + 0.08 s: within 1.5x, so plain stays, though the load makes it 2.0 s (a load can be far off)
+    alone = {"policy": 0.08, "plain": 0.4, "allgather": 0.1, "two-phase": 0.25}
+    assert policy_trial.plan({**decision, "predicted_exposed_alone_s": alone}, 4, 2.5)["names"] == \
+        ["model", "plain", "allgather", "two-phase"]
+    slow_alone_too = {**alone, "plain": 1.8}  # 2.5 s against 0.7 + 0.08 s: over 1.5x at both paces
+    assert policy_trial.plan({**decision, "predicted_exposed_alone_s": slow_alone_too}, 4, 2.5) == trial
     assert policy_trial.plan(decision, 0, plain_step_s=2.5) is None
     plain_chosen = {**decision, "buckets": [{"choice": "plain"}] * 2,
                     "predicted_exposed_s": {"policy": 0.2, "plain": 0.2, "allgather": 3.0, "two-phase": 3.0}}
