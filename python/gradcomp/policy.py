@@ -131,7 +131,7 @@ class Curve:
     """Seconds of a collective of `units` bytes per rank, measured at a few sizes: straight between them, the
     smallest's time below the smallest, the last segment's slope beyond the largest. A link's cost is no one line: a
     token bucket's burst, TCP's window and NCCL's protocols bend it, and one line fitted across 1 KiB to 8 MiB missed
-    the sizes between by 2-4x behind a 100 Mbit/s link (benchmarks/README.md)."""
+    the sizes between by 2-3x behind a 100 Mbit/s link (benchmarks/README.md)."""
 
     sizes: tuple[float, ...]
     seconds: tuple[float, ...]
