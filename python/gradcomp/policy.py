@@ -129,9 +129,9 @@ class Line:
 @dataclass(frozen=True)
 class Curve:
     """Seconds of a collective of `units` bytes per rank, measured at a few sizes: straight between them, the
-    smallest's time below the smallest, the last segment's slope beyond the largest. A link's cost is no one line: a
-    token bucket's burst, TCP's window and NCCL's protocols bend it, and one line fitted across 1 KiB to 8 MiB missed
-    the sizes between by 2-3x behind a 100 Mbit/s link (benchmarks/README.md)."""
+    smallest's time below the smallest, the last segment's slope beyond the largest. A link's cost is no one line (a
+    token bucket's burst bends it; TCP's window and NCCL's protocols can), and one line fitted across 1 KiB to 8 MiB
+    missed the sizes between by 2-3x behind a 100 Mbit/s link (benchmarks/README.md)."""
 
     sizes: tuple[float, ...]
     seconds: tuple[float, ...]
