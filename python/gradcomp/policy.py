@@ -203,7 +203,8 @@ class Cost:
 
 
 class CostModel:
-    """Collectives per (level, kind) and the codec's kernels, as Lines; and what each option costs a bucket."""
+    """Collectives per (level, kind), as Curves (measured) or Lines (told, in the planner), and the codec's kernels as
+    Lines; and what each option costs a bucket."""
 
     def __init__(self, links: dict[str, Line | Curve], kernels: dict[str, Line]):
         self.links, self.kernels = links, kernels  # links: "level/kind" -> seconds for bytes per rank
@@ -368,11 +369,12 @@ def link_load(ready: list[float], plain: list[Cost], window: float | None) -> fl
         return exposed(ready, [c.loaded(load) for c in plain])
 
     low, high = LOAD_BOUNDS
-    if window is None or plain_exposed(high) <= 0.0:
+    at_high = plain_exposed(high)
+    if window is None or at_high <= 0.0:
         return 1.0
     if plain_exposed(low) >= window:
         return low
-    if plain_exposed(high) <= window:
+    if at_high <= window:
         return high
     for _ in range(40):
         middle = (low + high) / 2
@@ -396,8 +398,11 @@ def decide(model: CostModel, ready: list[float] | None, buckets: list[dict], cod
     load = link_load(ready, [c["plain"] for c in alone], plain_window)
     costs = [{o: c.loaded(load) for o, c in per_option.items()} for per_option in alone]
     choice = choose(ready, costs)
-    fixed = {o: exposed(ready, [c[o] for c in costs]) for o in options}
-    fixed_alone = {o: exposed(ready, [c[o] for c in alone]) for o in options}
+
+    def predicted(per_bucket):  # the model's choice's exposed time, and each option's for every bucket
+        return {"policy": exposed(ready, [c[n] for c, n in zip(per_bucket, choice)]),
+                **{o: exposed(ready, [c[o] for c in per_bucket]) for o in options}}
+
     return {
         "step": step, "world_size": world, "node_size": node_size, "overlap_measured": overlap,
         "model": model.to_dict(), "options": options, "plain_window_s": plain_window, "link_load": load,
@@ -406,9 +411,8 @@ def decide(model: CostModel, ready: list[float] | None, buckets: list[dict], cod
                      "ready_s": r, "choice": name,
                      "predicted_s": {o: c.parts() for o, c in cost.items()}}
                     for b, r, cost, name in zip(buckets, ready, costs, choice)],
-        "predicted_exposed_s": {"policy": exposed(ready, [c[n] for c, n in zip(costs, choice)]), **fixed},
-        # the same at the probes' own pace (load 1): the trial prunes only what is slow at both
-        "predicted_exposed_alone_s": {"policy": exposed(ready, [c[n] for c, n in zip(alone, choice)]), **fixed_alone},
+        "predicted_exposed_s": predicted(costs),
+        "predicted_exposed_alone_s": predicted(alone),  # at the probes' own pace: the trial prunes what is slow at both
     }
 
 

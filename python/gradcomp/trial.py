@@ -99,8 +99,8 @@ def plan(decision: dict, trial_steps: int, plain_step_s: float | None) -> dict |
     if plain_step_s is not None:
         kept = set()
         for predicted in (decision["predicted_exposed_s"], decision.get("predicted_exposed_alone_s")):
-            if predicted is not None:  # the backward, forward and optimizer's share of a step, as the warm-up showed
-                compute = max(plain_step_s - predicted["plain"], 0.0)
+            if predicted is not None:
+                compute = max(plain_step_s - predicted["plain"], 0.0)  # the rest of a warm-up step
                 step = {name: compute + predicted["policy" if name == MODEL else name] for name in candidates}
                 kept |= {name for name in candidates if step[name] <= PRUNE * min(step.values())}
         candidates = {name: c for name, c in candidates.items() if name in kept}
