@@ -59,7 +59,7 @@ MODELS = {"mlp": (large_gradient_mlp, lambda g: (torch.randn(8, 256, generator=g
                                                                                                      generator=g))),
           "resnet18": (resnet18, lambda g: (torch.randn(4, 3, 32, 32, generator=g), torch.randint(0, 10, (4,),
                                                                                                        generator=g)))}
-START_ITER = 2
+START_ITER = 2  # the fixed options'; policy="time" keeps its own default (gradcomp.policy.WARMUP_STEPS)
 
 
 def configurations(codec_specs: list[str]) -> list[tuple[str, str | None, dict]]:
@@ -116,7 +116,8 @@ class Configuration:
         elif spec is None:
             self.ddp.register_comm_hook(None, self.window.around(default_hooks.allreduce_hook))
         else:
-            self.state = gradcomp.CompressionState(spec, start_iter=START_ITER, model=self.model, **options)
+            start = {} if options.get("policy") == "time" else {"start_iter": START_ITER}
+            self.state = gradcomp.CompressionState(spec, model=self.model, **start, **options)
             self.ddp.register_comm_hook(self.state, self.window.around(gradcomp.hook))
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.01)
         self.x, self.y = batch(torch.Generator().manual_seed(rank))

@@ -61,6 +61,7 @@ from .schemes import AllreduceBucket, PowerSGDBucket
 from .schemes.hierarchical import inner_plan_class
 
 POLICIES = ("codec", "time")
+WARMUP_STEPS = 4  # start_iter by default: DDP's first step, then 3 timed plain steps, whose median window sets the load
 MARGIN = 0.05  # an option replaces plain only where the model predicts it at least this much faster
 KINDS = ("allreduce", "all-gather", "all-to-all", "reduce-scatter")
 

@@ -41,7 +41,7 @@ def find_ddp(model) -> torch.nn.parallel.DistributedDataParallel:
 
 
 def register(ddp_model: torch.nn.Module, spec: "str | CompressionState" = "topk", *,
-             process_group: dist.ProcessGroup | None = None, scheme: str = "auto", start_iter: int = 2,
+             process_group: dist.ProcessGroup | None = None, scheme: str = "auto", start_iter: int | None = None,
              start_codec: str | None = None, min_bucket_ratio: float = 1.0, log_every: int = 0,
              node_size: int | None = None, policy: str = "codec", remeasure_every: int = 0,
              trial_steps: int | None = None, elastic: bool = False, **codec_params: Any) -> CompressionState:
@@ -61,8 +61,9 @@ def register(ddp_model: torch.nn.Module, spec: "str | CompressionState" = "topk"
         "auto" (the default): hierarchical where the ranks form several nodes of several ranks, else per
         bucket the flat scheme that sends fewer bytes at this world size; "flat" is auto without the
         hierarchical scheme. Other codecs take "auto", "flat" or "hierarchical".
-    start_iter: steps of plain allreduce first (past DDP's bucket rebuild after step 0). Under AdamW a few % of
-        the run's steps: much of what a codec costs there arises in the first steps.
+    start_iter: steps of plain allreduce first (past DDP's bucket rebuild after step 0): by default 2, and 4 under
+        policy="time" (whose load is the median of the 3 plain steps after DDP's first). Under AdamW a few % of the
+        run's steps: much of what a codec costs there arises in the first steps.
     start_codec: a codec spec for those first steps in place of plain allreduce, one that keeps no state
         between steps (any codec but powersgd, with error_feedback=false, the default of none, fp16, bf16, qsgd
         and terngrad), e.g. "qsgd:levels=127", about 4x smaller than plain. It travels by `scheme` too.
@@ -94,7 +95,7 @@ def register(ddp_model: torch.nn.Module, spec: "str | CompressionState" = "topk"
                            f"model; DDP takes one communication hook per model")
     group = process_group if process_group is not None else ddp_model.process_group
     if isinstance(spec, CompressionState):
-        options = {"scheme": (scheme, "auto"), "start_iter": (start_iter, 2), "start_codec": (start_codec, None),
+        options = {"scheme": (scheme, "auto"), "start_iter": (start_iter, None), "start_codec": (start_codec, None),
                    "min_bucket_ratio": (min_bucket_ratio, 1.0), "log_every": (log_every, 0),
                    "node_size": (node_size, None), "policy": (policy, "codec"), "remeasure_every": (remeasure_every, 0),
                    "trial_steps": (trial_steps, None), "elastic": (elastic, False),

@@ -62,10 +62,12 @@ class CompressionState(StateCheckpoints):
                  "_device_counts", "policy", "remeasure_every", "trial_steps", "_decision", "_timings", "elastic")
 
     def __init__(self, spec: str = "topk", *, process_group: dist.ProcessGroup | None = None, scheme: str = "auto",
-                 start_iter: int = 2, start_codec: str | None = None, min_bucket_ratio: float = 1.0,
+                 start_iter: int | None = None, start_codec: str | None = None, min_bucket_ratio: float = 1.0,
                  log_every: int = 0, node_size: int | None = None, policy: str = "codec", remeasure_every: int = 0,
                  trial_steps: int | None = None, elastic: bool = False, model: torch.nn.Module | None = None,
                  **codec_params: Any):
+        if start_iter is None:  # one warm-up step's window scatters; policy="time" takes the median of several
+            start_iter = time_policy.WARMUP_STEPS if policy == "time" else 2
         for name, value in (("start_iter", start_iter), ("log_every", log_every), ("remeasure_every", remeasure_every)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"gradcomp: {name}={value!r} must be an integer >= 0")

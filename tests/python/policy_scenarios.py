@@ -60,10 +60,11 @@ def scripted_trial(rank: int, seconds: dict):
 
 
 def recorded(rank, world, spec, options, steps, schedule=None, skew=None, trial_seconds=None):
-    """Trains steps under policy="time" (options: more of the state's; trial_steps=0 unless given; trial_seconds: see
-    scripted_trial). Returns this rank's gradient into the hook, DDP's applied gradient and the buckets' schemes per
-    step and parameter, its residuals at the end (reliability_scenarios'), every decision,
-    the measurements before they were combined (skew: each rank's scaled, see skewed), and the final parameters."""
+    """Trains steps under policy="time" (options: more of the state's; trial_steps=0 and start_iter=2 unless given,
+    start_iter=None for the default; trial_seconds: see scripted_trial). Returns this rank's gradient into the hook,
+    DDP's applied gradient and the buckets' schemes per step and parameter, its residuals at the end
+    (reliability_scenarios'), every decision, the plain windows each read (their number), the measurements before
+    they were combined (skew: each rank's scaled, see skewed), and the final parameters."""
     if schedule is not None:
         time_policy.choose = scheduled(schedule)
     seen: list = []
@@ -71,8 +72,10 @@ def recorded(rank, world, spec, options, steps, schedule=None, skew=None, trial_
         measure.measure_links = skewed(rank, skew, seen)
     if trial_seconds is not None:
         scripted_trial(rank, trial_seconds)
-    options = {"trial_steps": 0, **options}
-    decisions = []
+    options = {"trial_steps": 0, "start_iter": 2, **options}
+    decisions, windows_read = [], []
+    plain_windows = measure.WarmupTimings.plain_windows
+    measure.WarmupTimings.plain_windows = lambda self: windows_read.append(plain_windows(self)) or windows_read[-1]
     decide = time_policy.decide
     time_policy.decide = lambda *args: decisions.append(decide(*args)) or decisions[-1]
     model = make_model("mlp")
@@ -101,7 +104,7 @@ def recorded(rank, world, spec, options, steps, schedule=None, skew=None, trial_
             "residual": [residual.get(k) for k in range(count)], "owner": [owner.get(k) for k in range(count)],
             "schemes_at_end": {p.index: p.scheme for p in state._plans.values()}, "schemes_per_step": schemes,
             "plain_residuals_held": [p.residual is not None for p in state._plans.values() if p.scheme == "plain"],
-            "decisions": decisions,
+            "decisions": decisions, "windows_read": [len(w) for w in windows_read],
             "measured": seen, "explain": state.explain(), "stats": state.stats(),
             "params": [p.detach().clone() for p in model.parameters()]}
 
@@ -113,7 +116,7 @@ def resume(rank, world, spec, options, total, split, workdir, phase, schedule, t
     (scripted_trial). Returns the final parameters, the choices taken in this process and the state's decision."""
     if trial_seconds is not None:
         scripted_trial(rank, trial_seconds)
-    options = {"trial_steps": 0, **options}
+    options = {"trial_steps": 0, "start_iter": 2, **options}
     schedule_taken = scheduled(schedule)
     calls = []
     time_policy.choose = lambda ready, options_: calls.append(1) or schedule_taken(ready, options_)

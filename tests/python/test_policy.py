@@ -192,6 +192,8 @@ def test_bad_options_are_refused_by_name():
         with pytest.raises(ValueError, match=named.replace("(", r"\(").replace(")", r"\)")):
             gradcomp.CompressionState("topk", **options)
     assert "no decision yet" in gradcomp.CompressionState("topk", policy="time").explain()
+    assert gradcomp.CompressionState("topk", policy="time").start_iter == time_policy.WARMUP_STEPS == 4
+    assert gradcomp.CompressionState("topk").start_iter == 2
 
 
 # -- on ranks ------------------------------------------------------------------------------------------------------
@@ -201,10 +203,15 @@ def test_bad_options_are_refused_by_name():
                                                   (2, "powersgd:rank=2", {}), (3, "randomk:ratio=0.3", {})])
 def test_every_rank_takes_the_same_decision_when_their_measurements_differ(world, spec, options):
     """Each rank's measured links scaled by 1 + rank / 2 (and its plans' timings its own): one allreduce gives every
-    rank the largest of each, and so one decision (compared whole, predictions included)."""
-    results = unwrap(run_ranks(scenarios.recorded, world, (spec, options, 4, None, 0.5), timeout=300))
+    rank the largest of each, and so one decision (compared whole, predictions included). At the default start_iter,
+    taken after the plain windows of the warm-up's steps after DDP's first."""
+    steps = time_policy.WARMUP_STEPS + 2
+    results = unwrap(run_ranks(scenarios.recorded, world, (spec, {"start_iter": None, **options}, steps, None, 0.5),
+                               timeout=300))
     decisions = [json.dumps(r["decisions"], sort_keys=True) for r in results]
     assert len(results[0]["decisions"]) == 1 and len(set(decisions)) == 1
+    assert results[0]["decisions"][0]["step"] == time_policy.WARMUP_STEPS
+    assert all(r["windows_read"] == [time_policy.WARMUP_STEPS - 1] for r in results)
     links = results[0]["decisions"][0]["model"]["links"]
     for key, combined in links.items():
         measured = [r["measured"][0][key] for r in results]
