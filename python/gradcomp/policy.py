@@ -13,7 +13,8 @@ The model
     overlap with backward: DDP launches bucket i when backward has produced it, at offset r_i after the first (the
         warm-up steps' hook calls). Collectives go one at a time in launch order (where the backend runs several at
         once they share the link, which ends the last of them no sooner); a bucket's encode runs on the
-        hook's thread (the backward's stream on a GPU), so it delays the buckets after it. What a step costs beyond
+        hook's thread (the backward's stream on a GPU), as does the hierarchical scheme's reduce-scatter inside the
+        node (waited for there; below, part of encode_i), so it delays the buckets after it. What a step costs beyond
         backward without communication (its exposed time) is a queue, in the order the hook issues collectives:
             first round, in launch order:  ready_i = r_i + the encodes before i;
                 start_i = max(ready_i + encode_i, end_(i-1));  end_i = start_i + wire_i + middle_i (+ decode_i);
@@ -182,25 +183,32 @@ def link_from_json(saved) -> "Line | Curve":
 class Cost:
     """An option's seconds for one bucket: encode (on the hook's thread, before its collectives), wire (its first
     collective), decode (after its last); for a plan of two rounds also middle (between them: PowerSGD's Q, the
-    two-phase owner's re-encode) and second (the collectives the sequencer issues once every bucket is launched)."""
+    two-phase owner's re-encode) and second (the collectives the sequencer issues once every bucket is launched);
+    held: a collective waited for on the hook's thread before the wire (the hierarchical scheme's reduce-scatter inside
+    the node), which delays the buckets after it as encode does."""
 
     encode: float
     wire: float
     decode: float
     middle: float = 0.0
     second: float = 0.0
+    held: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.encode + self.wire + self.middle + self.second + self.decode
+        return self.encode + self.held + self.wire + self.middle + self.second + self.decode
+
+    @property
+    def on_hook_thread(self) -> float:
+        return self.encode + self.held
 
     def parts(self) -> list[float]:
         """The fields in the constructor's order (Cost(*c.parts()) == c)."""
-        return [self.encode, self.wire, self.decode, self.middle, self.second]
+        return [self.encode, self.wire, self.decode, self.middle, self.second, self.held]
 
     def loaded(self, load: float) -> "Cost":
-        """The collectives' times (wire, second) x load; the kernels' as measured."""
-        return Cost(self.encode, self.wire * load, self.decode, self.middle, self.second * load)
+        """The collectives' times (wire, second, held) x load; the kernels' as measured."""
+        return Cost(self.encode, self.wire * load, self.decode, self.middle, self.second * load, self.held * load)
 
 
 class CostModel:
@@ -262,7 +270,7 @@ class CostModel:
         else:
             inner = self.flat(inner_scheme, codec, None, shard, dtype, nodes, "across")
         # the all-gather inside the node is a second-round collective, after the exchange across nodes
-        return Cost(scatter + inner.encode, inner.wire, inner.decode, inner.middle, inner.second + gather)
+        return Cost(inner.encode, inner.wire, inner.decode, inner.middle, inner.second + gather, held=scatter)
 
 
 def candidates(codec, scheme_option: str, two_levels: bool) -> list[str]:
@@ -296,7 +304,7 @@ def option_costs(model: CostModel, options, codec, shapes, dtype: torch.dtype, w
              else model.flat(o, codec, shapes, numel, dtype, world, "world"))
         if measured and o in measured:
             encode, middle, decode = measured[o]
-            c = Cost(c.encode + encode, c.wire, c.decode + decode, c.middle + middle, c.second)
+            c = Cost(c.encode + encode, c.wire, c.decode + decode, c.middle + middle, c.second, c.held)
         return c
 
     return {o: cost(o) for o in options}
@@ -309,8 +317,8 @@ def exposed(ready: list[float], costs: list[Cost]) -> float:
         return 0.0
     delay, free, first_done = 0.0, -math.inf, []
     for offset, cost in zip(ready, costs):
-        start = max(offset + delay + cost.encode, free)
-        delay += cost.encode
+        start = max(offset + delay + cost.on_hook_thread, free)
+        delay += cost.on_hook_thread
         free = start + cost.wire + cost.middle + (0.0 if cost.second else cost.decode)
         first_done.append(free)
     launched = ready[-1] + delay  # the hook's thread is through the last bucket: the sequencer's second round

@@ -79,7 +79,7 @@ def test_the_load_makes_the_plain_queue_end_where_the_warm_ups_plain_steps_did()
     assert time_policy.link_load([0.0, 0.010], plain, 0.004) == pytest.approx(2 / 3, rel=1e-6)  # under the probes
     assert time_policy.link_load([0.0], [Cost(0.0, 0.0, 0.0)], 0.004) == 1.0  # no collective (one rank) to scale
     # The load scales the collectives only, not the kernels' dry-run times.
-    assert Cost(1.0, 2.0, 3.0, 4.0, 5.0).loaded(2.0) == Cost(1.0, 4.0, 3.0, 4.0, 10.0)
+    assert Cost(1.0, 2.0, 3.0, 4.0, 5.0, 6.0).loaded(2.0) == Cost(1.0, 4.0, 3.0, 4.0, 10.0, 12.0)
 
 
 def test_the_plain_window_runs_from_the_last_bucket_to_the_last_allreduce():
@@ -102,6 +102,9 @@ def test_the_exposed_time_is_the_queue_of_collectives_after_backward():
     with_encode = [Cost(0.002, 0.004, 0.001)] * 3
     # ready 0 -> starts 2, ends 7; ready 10+2 -> starts 14, ends 19; ready 20+4 -> starts 26, ends 31: 11 after 20.
     assert time_policy.exposed([0.0, 0.010, 0.020], with_encode) == pytest.approx(0.011)
+    # So does a collective waited for there (the hierarchical scheme's reduce-scatter inside the node).
+    with_held = [Cost(0.0, 0.004, 0.001, held=0.002)] * 3
+    assert time_policy.exposed([0.0, 0.010, 0.020], with_held) == pytest.approx(0.011)
 
 
 def test_second_round_collectives_wait_for_the_last_bucket_and_queue_behind_the_first_round():
@@ -132,8 +135,11 @@ def test_the_options_costs_follow_the_bytes_each_scheme_sends():
     assert (two_phase.wire, two_phase.second) == (sum(chunks), max(chunks))  # all-to-all, then the all-gather
     hierarchical = model.hierarchical(codec, None, n, torch.float32, world, 2)  # 2 nodes of 2: shards of n / 2
     # reduce-scatter of the bucket inside the node, then the shard between 2 nodes (allgather), then its all-gather
-    assert (hierarchical.encode, hierarchical.wire, hierarchical.second) == (4 * n, codec.payload_nbytes(n // 2),
-                                                                             4 * (n // 2))
+    assert (hierarchical.held, hierarchical.wire, hierarchical.second) == (4 * n, codec.payload_nbytes(n // 2),
+                                                                           4 * (n // 2))
+    assert hierarchical.encode == 0.0  # free kernels: all the hook's thread waits for is the reduce-scatter
+    loaded = hierarchical.loaded(1.5)  # every collective at the load, the one waited for on the hook's thread too
+    assert (loaded.held, loaded.wire, loaded.second) == (1.5 * 4 * n, 1.5 * hierarchical.wire, 1.5 * 4 * (n // 2))
     powersgd = gradcomp.codec("powersgd:rank=4")
     cost = model.flat("powersgd", powersgd, [(256, 512), (512,)], 256 * 512 + 512, torch.float32, world, "world")
     assert (cost.wire, cost.second) == (4 * (256 * 4 + 512), 4 * (512 * 4))  # P with the whole bias, then Q
