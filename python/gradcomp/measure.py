@@ -94,14 +94,14 @@ class WarmupTimings:
             return None
         return [statistics.median(column) for column in zip(*offsets)]
 
-    def plain_windows(self) -> list[float]:
-        """Per warm-up step whose allreduces all completed, the seconds from its last bucket's hook call to its last
-        allreduce's completion: the plain step's communication beyond backward, as the model predicts it."""
-        windows = []
+    def plain_windows(self) -> dict[int, float]:
+        """Per warm-up step whose allreduces all completed (step -> seconds), from its last bucket's hook call to its
+        last allreduce's completion: the plain step's communication beyond backward, as the model predicts it."""
+        windows = {}
         for step, completions in self.allreduces.items():
             if completions and all(completions):
                 last_called = self.steps[step][-1][1]
-                windows.append(max(0.0, *(self.clock.seconds(last_called, done[0]) for done in completions)))
+                windows[step] = max(0.0, *(self.clock.seconds(last_called, done[0]) for done in completions))
         return windows
 
 
@@ -279,16 +279,20 @@ def needed_links(options, codec) -> dict[str, list[str]]:
 
 
 def combine(model: CostModel, ready: list[float] | None, buckets: int, group, device: torch.device,
-            measured: list[dict] | None = None, window: float | None = None):
+            measured: list[dict] | None = None, windows: list[float | None] | None = None):
     """Every rank's measurements, the largest of each (the slowest rank sets the pace): one allreduce, after which
-    every rank holds the same numbers. Returns (model, ready, measured, window), ready and window None where any
-    rank lacks them."""
+    every rank holds the same numbers. windows: per warm-up step (the same steps on every rank), this rank's plain
+    window or None; of each step measured on every rank, the slowest rank's window and how much longer it was than
+    the quickest's (the first rank through backward waiting for the last: the late one's window is the collectives'
+    own). Returns (model, ready, measured, window, skew): ready None where any rank lacks it; window the median of
+    the slowest rank's, skew the median difference, both None where no step was measured on every rank."""
     links, kernels = sorted(model.links), sorted(model.kernels)
     measured_lines = [model.links[key] for key in links] + [model.kernels[key] for key in kernels]
     values = [x for line in measured_lines for x in line.params()]
     timed = [(i, o) for i, per_option in enumerate(measured or []) for o in sorted(per_option)]
     values += [x for i, o in timed for x in measured[i][o]]
-    values += [1.0 if window is None else 0.0, window or 0.0]
+    windows = windows or []
+    values += [x for w in windows for x in ((1.0, 0.0, 0.0) if w is None else (0.0, w, -w))]  # -w: MAX gives -min
     values += [1.0 if ready is None else 0.0, *(ready if ready is not None else [0.0] * buckets)]
     tensor = torch.tensor(values, dtype=torch.float64, device=device)
     if dist.get_world_size(group) > 1:
@@ -306,6 +310,10 @@ def combine(model: CostModel, ready: list[float] | None, buckets: int, group, de
         for k, (i, o) in enumerate(timed):
             measured[i][o] = tuple(values[at + width * k: at + width * (k + 1)])
         at += width * len(timed)
-    no_window, window = values[at:at + 2]
-    missing, offsets = values[at + 2], values[at + 3:]
-    return combined, (None if missing else offsets), measured, (None if no_window else window)
+    per_step = [values[at + 3 * k: at + 3 * (k + 1)] for k in range(len(windows))]
+    slowest = [(largest, largest + negated_least) for missing, largest, negated_least in per_step if not missing]
+    window = statistics.median(w for w, _ in slowest) if slowest else None
+    skew = statistics.median(s for _, s in slowest) if slowest else None
+    at += 3 * len(windows)
+    missing, offsets = values[at], values[at + 1:]
+    return combined, (None if missing else offsets), measured, window, skew

@@ -25,11 +25,13 @@ The model
             exposed = the last end - r_last.
         A bucket whose communication hides behind later buckets' backward gains nothing from compression, and the
         choice leaves it plain.
-    load: collectives inside a step take longer than their probes alone where the cores are shared with backward
-        and the other ranks, and where a rank waits for the slowest one's backward. The warm-up's plain steps, whose
-        allreduces are of the real buckets, show by how much: every collective's time is taken at the factor
-        (link_load) that makes the plain queue end where their communication did, beyond backward (the kernels'
-        dry-run times as measured).
+    skew and load: the warm-up's plain steps, whose allreduces are of the real buckets, show what a step adds to
+        the probes. Each rank's window (its last bucket's hook call to its last allreduce's completion) holds the
+        wait of a rank through backward early for the last one (the skew: the longest window less the shortest,
+        the last rank's; the same wait for every option, added to each one's exposed time), and collectives slower
+        than their probes alone where the cores are shared with backward and the other ranks (the load: every
+        collective's time is taken at the factor, link_load, that makes the plain queue end where the shortest
+        window did; the kernels' dry-run times as measured).
 The decision, at the first step after the warm-up: every rank measures; one allreduce (MAX: the slowest rank sets
 the pace) combines the measurements; every rank then chooses from the same numbers by the same arithmetic: per
 bucket the option with the least encode + wire + decode where it beats plain by MARGIN, then, bucket by bucket,
@@ -393,28 +395,32 @@ def link_load(ready: list[float], plain: list[Cost], window: float | None) -> fl
 
 def decide(model: CostModel, ready: list[float] | None, buckets: list[dict], codec, scheme_option: str, world: int,
            node_size: int | None, step: int, measured: list[dict] | None = None,
-           plain_window: float | None = None) -> dict:
+           plain_window: float | None = None, backward_skew: float | None = None) -> dict:
     """The decision for buckets ({"index", "shapes", "dtype"} in launch order): JSON-able, kept in the state.
     measured: per bucket, {option: (encode, middle, decode) seconds} of its plans' own launches, else the model's
-    kernels. plain_window: the warm-up's plain steps' communication beyond backward (seconds), which sets the load
-    (link_load)."""
+    kernels. plain_window: the warm-up's plain steps' communication beyond backward (seconds), the slowest rank's;
+    backward_skew: how much of it that rank spent waiting for the last rank through backward (the ranks' windows'
+    difference), which every option's step waits too; the rest sets the load (link_load)."""
     options = candidates(codec, scheme_option, node_size is not None)
     overlap = ready is not None
     ready = ready if overlap else [0.0] * len(buckets)
     measured = measured or [None] * len(buckets)
+    skew = backward_skew or 0.0
     alone = [option_costs(model, options, codec, b["shapes"], b["dtype"], world, node_size, m)
              for b, m in zip(buckets, measured)]
-    load = link_load(ready, [c["plain"] for c in alone], plain_window)
+    load = link_load(ready, [c["plain"] for c in alone], None if plain_window is None else
+                     max(plain_window - skew, 0.0))
     costs = [{o: c.loaded(load) for o, c in per_option.items()} for per_option in alone]
-    choice = choose(ready, costs)
+    choice = choose(ready, costs)  # the skew delays every option alike: the choice is the queue's
 
     def predicted(per_bucket):  # the model's choice's exposed time, and each option's for every bucket
-        return {"policy": exposed(ready, [c[n] for c, n in zip(per_bucket, choice)]),
-                **{o: exposed(ready, [c[o] for c in per_bucket]) for o in options}}
+        return {"policy": skew + exposed(ready, [c[n] for c, n in zip(per_bucket, choice)]),
+                **{o: skew + exposed(ready, [c[o] for c in per_bucket]) for o in options}}
 
     return {
         "step": step, "world_size": world, "node_size": node_size, "overlap_measured": overlap,
-        "model": model.to_dict(), "options": options, "plain_window_s": plain_window, "link_load": load,
+        "model": model.to_dict(), "options": options, "plain_window_s": plain_window, "backward_skew_s": skew,
+        "link_load": load,
         "buckets": [{"index": b["index"], "elements": sum(torch.Size(s).numel() for s in b["shapes"]),
                      "bytes": sum(torch.Size(s).numel() for s in b["shapes"]) * b["dtype"].itemsize,
                      "ready_s": r, "choice": name,
@@ -437,7 +443,9 @@ def explain(decision: dict | None, spec: str) -> str:
              f"{'bucket':>6} {'MB':>8} " + " ".join(f"{o + ' ms':>16}" for o in options) + "  choice"]
     if decision.get("plain_window_s") is not None:
         lines.insert(1, f"collectives taken at {decision['link_load']:.2f}x their probes' times, as the warm-up's "
-                        f"plain steps spent {decision['plain_window_s'] * 1e3:.2f} ms beyond backward")
+                        f"plain steps spent {decision['plain_window_s'] * 1e3:.2f} ms beyond backward, "
+                        f"{decision.get('backward_skew_s', 0.0) * 1e3:.2f} ms of it waiting for the last rank "
+                        f"through backward (added to each predicted step below)")
     for bucket in decision["buckets"]:
         times = " ".join(f"{sum(bucket['predicted_s'][o]) * 1e3:16.2f}" for o in options)
         lines.append(f"{bucket['index']:>6} {bucket['bytes'] / 1e6:8.2f} {times}  {bucket['choice']}")

@@ -518,20 +518,22 @@ class CompressionState(StateCheckpoints):
         if self._decision is None:
             links = measure.measure_links(needed, groups, largest, buffer.device, clock)
             ready = self._timings.ready_offsets([b["index"] for b in buckets])
-            windows = self._timings.plain_windows()
-            window = statistics.median(windows) if windows else None
+            by_step = self._timings.plain_windows()
+            windows = [by_step.get(s) for s in range(1, self.start_iter)]  # the same steps on every rank
         else:  # re-measured: the links and kernels anew, the backward's pace and plain's window as the warm-up showed
             links = measure.measure_links(needed, groups, largest, buffer.device, clock)
             saved = {b["index"]: b["ready_s"] for b in self._decision["buckets"]}
             ready = [saved[b["index"]] for b in buckets] if all(b["index"] in saved for b in buckets) and \
                 self._decision["overlap_measured"] else None
-            window = self._decision.get("plain_window_s")
+            windows = None
         node_size = self._nodes.node_size if two_levels else None
         measured = self._time_plans(step, buffer, buckets, [o for o in options if o != "plain"], clock)
-        model, ready, measured, window = measure.combine(time_policy.CostModel(links, {}), ready, len(buckets),
-                                                         step.group, buffer.device, measured, window)
+        model, ready, measured, window, skew = measure.combine(time_policy.CostModel(links, {}), ready, len(buckets),
+                                                               step.group, buffer.device, measured, windows)
+        if self._decision is not None:
+            window, skew = self._decision.get("plain_window_s"), self._decision.get("backward_skew_s")
         self._decision = time_policy.decide(model, ready, buckets, self.codec, self.scheme, step.world, node_size,
-                                            self.iter, measured, window)
+                                            self.iter, measured, window, skew)
         plain_step = policy_trial.max_over_ranks(plain_step, step.group, buffer.device)
         self._decision["trial"] = policy_trial.plan(self._decision, self.trial_steps, plain_step)
         self._timings = measure.WarmupTimings()

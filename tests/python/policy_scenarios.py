@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.distributed as dist
 
 import gradcomp
 import gradcomp.measure as measure
@@ -138,3 +139,10 @@ def resume(rank, world, spec, options, total, split, workdir, phase, schedule, t
         torch.save({"model": model.state_dict(), "state": state.state_dict(), "step": split}, path)
     return {"params": [p.detach().clone() for p in model.parameters()], "choose_calls": len(calls),
             "schemes": {p.index: p.scheme for p in state._plans.values()}, "decision": state.stats()["decision"]}
+
+
+def combined_windows(rank, world, windows):
+    """gradcomp.measure.combine of this rank's plain windows per warm-up step (windows[rank]) alone: (window, skew)."""
+    *_, window, skew = measure.combine(time_policy.CostModel({}, {}), None, 0, dist.group.WORLD, torch.device("cpu"),
+                                       None, windows[rank])
+    return window, skew

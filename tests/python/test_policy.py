@@ -88,7 +88,32 @@ def test_the_plain_window_runs_from_the_last_bucket_to_the_last_allreduce():
     # step 1: buckets called at 0 and 5; allreduces end at 4 and 12: 7 after the last call. step 2: one never ended.
     timings.steps = {1: [(0, 0.0), (1, 5.0)], 2: [(0, 20.0), (1, 26.0)]}
     timings.allreduces = {1: [[12.0], [4.0]], 2: [[30.0], []]}
-    assert timings.plain_windows() == [7.0]
+    assert timings.plain_windows() == {1: 7.0}
+
+
+def test_the_ranks_windows_give_the_slowest_ranks_window_and_the_wait_for_the_last_one_through_backward():
+    # 3 warm-up steps; the third not measured on rank 0, so left out. Step 1: the longest window 10 ms, the shortest
+    # 4 (rank 1, the last through backward: it waited for no one): 6 ms of waiting. Step 2: 20 and 12: 8 ms.
+    windows = [[0.010, 0.020, None], [0.004, 0.012, 0.5], [0.006, 0.015, 0.5]]
+    results = unwrap(run_ranks(scenarios.combined_windows, 3, (windows,)))
+    assert results == [pytest.approx((0.015, 0.007))] * 3
+    assert unwrap(run_ranks(scenarios.combined_windows, 2, ([[None], [0.003]],))) == [(None, None)] * 2
+
+
+def test_the_wait_for_the_last_rank_through_backward_is_in_every_options_time_and_not_in_the_load():
+    per_byte = Line(0.0, 1e-9)  # 1 ms per MB; kernels free
+    model = CostModel({f"world/{kind}": per_byte for kind in time_policy.KINDS}, {})
+    codec = gradcomp.codec("topk:ratio=0.01")
+    buckets = [{"index": 0, "shapes": [(1_000_000,)], "dtype": torch.float32}]  # plain: 4 ms at the probes' pace
+    gather = codec.payload_nbytes(1_000_000) * 1e-9
+    waited = time_policy.decide(model, [0.0], buckets, codec, "auto", 2, None, 4, None, 0.010, 0.004)
+    assert waited["link_load"] == pytest.approx(1.5) and waited["backward_skew_s"] == 0.004  # (10 - 4) / 4
+    assert waited["predicted_exposed_s"]["plain"] == pytest.approx(0.010)
+    assert waited["predicted_exposed_s"]["allgather"] == pytest.approx(0.004 + 1.5 * gather)
+    assert waited["predicted_exposed_alone_s"]["allgather"] == pytest.approx(0.004 + gather)
+    unwaited = time_policy.decide(model, [0.0], buckets, codec, "auto", 2, None, 4, None, 0.010)
+    assert unwaited["link_load"] == pytest.approx(2.5) and unwaited["backward_skew_s"] == 0.0
+    assert unwaited["predicted_exposed_s"]["allgather"] == pytest.approx(2.5 * gather)
 
 
 def test_the_exposed_time_is_the_queue_of_collectives_after_backward():
@@ -227,6 +252,7 @@ def test_every_rank_takes_the_same_decision_when_their_measurements_differ(world
     assert results[0]["stats"]["decision"]["buckets"][0]["choice"] in results[0]["decisions"][0]["options"]
     decision, (low, high) = results[0]["decisions"][0], time_policy.LOAD_BOUNDS
     assert decision["plain_window_s"] > 0 and low <= decision["link_load"] <= high  # the warm-up's plain window
+    assert 0 <= decision["backward_skew_s"] <= decision["plain_window_s"]
 
 
 SCHEDULE = [["two-phase", "plain"], ["plain"], ["allgather"], ["two-phase"], ["plain", "allgather"]]
