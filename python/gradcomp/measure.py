@@ -104,6 +104,20 @@ class WarmupTimings:
                 windows[step] = max(0.0, *(self.clock.seconds(last_called, done[0]) for done in completions))
         return windows
 
+    def computes(self) -> dict[int, float]:
+        """Per warm-up step after one whose allreduces all completed (step -> seconds), from that step's last
+        allreduce's completion to this step's last bucket's hook call: this rank's optimizer step, forward and
+        backward. Every rank leaves a step at about the same time (its last allreduce ends once every rank's part
+        is in), so the ranks' spread of this is how long the first through backward waits for the last one."""
+        computes = {}
+        for step, marks in self.steps.items():
+            previous = self.allreduces.get(step - 1)
+            if previous and all(previous):
+                ends = [done[0] for done in previous]
+                left = max(ends, key=lambda mark: self.clock.seconds(ends[0], mark))  # events order by elapsed time
+                computes[step] = self.clock.seconds(left, marks[-1][1])
+        return computes
+
 
 class DryStep:
     """What a bucket plan's launch needs of the hook's Step, with local copies for collectives: a launch on it times
@@ -279,20 +293,22 @@ def needed_links(options, codec) -> dict[str, list[str]]:
 
 
 def combine(model: CostModel, ready: list[float] | None, buckets: int, group, device: torch.device,
-            measured: list[dict] | None = None, windows: list[float | None] | None = None):
+            measured: list[dict] | None = None, windows: list[tuple] | None = None):
     """Every rank's measurements, the largest of each (the slowest rank sets the pace): one allreduce, after which
-    every rank holds the same numbers. windows: per warm-up step (the same steps on every rank), this rank's plain
-    window or None; of each step measured on every rank, the slowest rank's window and how much longer it was than
-    the quickest's (the first rank through backward waiting for the last: the late one's window is the collectives'
-    own). Returns (model, ready, measured, window, skew): ready None where any rank lacks it; window the median of
-    the slowest rank's, skew the median difference, both None where no step was measured on every rank."""
+    every rank holds the same numbers. windows: per warm-up step (the same steps on every rank), this rank's
+    (plain window, compute before it: WarmupTimings.computes), either None where not measured. Returns (model,
+    ready, measured, window, skew): ready None where any rank lacks it; window the median over the steps measured
+    on every rank of the slowest rank's window (None where none was); skew the median of the ranks' spread of the
+    compute, no more than that of the windows (how long a rank through backward early waits for the last: the
+    rest of the windows' spread is the collectives' own, uneven between the ranks), None where none was measured."""
     links, kernels = sorted(model.links), sorted(model.kernels)
     measured_lines = [model.links[key] for key in links] + [model.kernels[key] for key in kernels]
     values = [x for line in measured_lines for x in line.params()]
     timed = [(i, o) for i, per_option in enumerate(measured or []) for o in sorted(per_option)]
     values += [x for i, o in timed for x in measured[i][o]]
     windows = windows or []
-    values += [x for w in windows for x in ((1.0, 0.0, 0.0) if w is None else (0.0, w, -w))]  # -w: MAX gives -min
+    for figure in (w for pair in windows for w in pair):  # -figure: MAX gives -min
+        values += (1.0, 0.0, 0.0) if figure is None else (0.0, figure, -figure)
     values += [1.0 if ready is None else 0.0, *(ready if ready is not None else [0.0] * buckets)]
     tensor = torch.tensor(values, dtype=torch.float64, device=device)
     if dist.get_world_size(group) > 1:
@@ -310,10 +326,15 @@ def combine(model: CostModel, ready: list[float] | None, buckets: int, group, de
         for k, (i, o) in enumerate(timed):
             measured[i][o] = tuple(values[at + width * k: at + width * (k + 1)])
         at += width * len(timed)
-    per_step = [values[at + 3 * k: at + 3 * (k + 1)] for k in range(len(windows))]
-    slowest = [(largest, largest + negated_least) for missing, largest, negated_least in per_step if not missing]
-    window = statistics.median(w for w, _ in slowest) if slowest else None
-    skew = statistics.median(s for _, s in slowest) if slowest else None
-    at += 3 * len(windows)
+    spans = []  # per step and figure, (the largest, the spread) over the ranks
+    for _ in range(2 * len(windows)):
+        missing, largest, negated_least = values[at:at + 3]
+        spans.append(None if missing else (largest, largest + negated_least))
+        at += 3
+    per_step = list(zip(spans[0::2], spans[1::2]))
+    slowest = [window[0] for window, _ in per_step if window is not None]
+    waits = [min(compute[1], window[1]) for window, compute in per_step if window is not None and compute is not None]
+    window = statistics.median(slowest) if slowest else None
+    skew = statistics.median(waits) if waits else None
     missing, offsets = values[at], values[at + 1:]
     return combined, (None if missing else offsets), measured, window, skew

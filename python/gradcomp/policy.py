@@ -26,12 +26,13 @@ The model
         A bucket whose communication hides behind later buckets' backward gains nothing from compression, and the
         choice leaves it plain.
     skew and load: the warm-up's plain steps, whose allreduces are of the real buckets, show what a step adds to
-        the probes. Each rank's window (its last bucket's hook call to its last allreduce's completion) holds the
-        wait of a rank through backward early for the last one (the skew: the longest window less the shortest,
-        the last rank's; the same wait for every option, added to each one's exposed time), and collectives slower
-        than their probes alone where the cores are shared with backward and the other ranks (the load: every
-        collective's time is taken at the factor, link_load, that makes the plain queue end where the shortest
-        window did; the kernels' dry-run times as measured).
+        the probes. The slowest rank's window (its last bucket's hook call to its last allreduce's completion)
+        holds the wait of a rank through backward early for the last one (the skew: the ranks' spread of the time
+        from the step before's end to their last hook call, no more than the windows' spread; the same wait for
+        every option, added to each one's exposed time), and collectives slower than their probes alone where the
+        cores are shared with backward and the other ranks, or uneven between the ranks (the load: every
+        collective's time is taken at the factor, link_load, that makes the plain queue end where the window less
+        the skew did; the kernels' dry-run times as measured).
 The decision, at the first step after the warm-up: every rank measures; one allreduce (MAX: the slowest rank sets
 the pace) combines the measurements; every rank then chooses from the same numbers by the same arithmetic: per
 bucket the option with the least encode + wire + decode where it beats plain by MARGIN, then, bucket by bucket,
@@ -399,8 +400,8 @@ def decide(model: CostModel, ready: list[float] | None, buckets: list[dict], cod
     """The decision for buckets ({"index", "shapes", "dtype"} in launch order): JSON-able, kept in the state.
     measured: per bucket, {option: (encode, middle, decode) seconds} of its plans' own launches, else the model's
     kernels. plain_window: the warm-up's plain steps' communication beyond backward (seconds), the slowest rank's;
-    backward_skew: how much of it that rank spent waiting for the last rank through backward (the ranks' windows'
-    difference), which every option's step waits too; the rest sets the load (link_load)."""
+    backward_skew: how much of it that rank spent waiting for the last rank through backward (gradcomp.measure's
+    combine), which every option's step waits too; the rest sets the load (link_load)."""
     options = candidates(codec, scheme_option, node_size is not None)
     overlap = ready is not None
     ready = ready if overlap else [0.0] * len(buckets)

@@ -518,8 +518,8 @@ class CompressionState(StateCheckpoints):
         if self._decision is None:
             links = measure.measure_links(needed, groups, largest, buffer.device, clock)
             ready = self._timings.ready_offsets([b["index"] for b in buckets])
-            by_step = self._timings.plain_windows()
-            windows = [by_step.get(s) for s in range(1, self.start_iter)]  # the same steps on every rank
+            by_step, computes = self._timings.plain_windows(), self._timings.computes()
+            windows = [(by_step.get(s), computes.get(s)) for s in range(1, self.start_iter)]  # alike on every rank
         else:  # re-measured: the links and kernels anew, the backward's pace and plain's window as the warm-up showed
             links = measure.measure_links(needed, groups, largest, buffer.device, clock)
             saved = {b["index"]: b["ready_s"] for b in self._decision["buckets"]}

@@ -142,7 +142,8 @@ def resume(rank, world, spec, options, total, split, workdir, phase, schedule, t
 
 
 def combined_windows(rank, world, windows):
-    """gradcomp.measure.combine of this rank's plain windows per warm-up step (windows[rank]) alone: (window, skew)."""
+    """gradcomp.measure.combine of this rank's (plain window, compute) per warm-up step (windows[rank]) alone:
+    (window, skew)."""
     *_, window, skew = measure.combine(time_policy.CostModel({}, {}), None, 0, dist.group.WORLD, torch.device("cpu"),
                                        None, windows[rank])
     return window, skew

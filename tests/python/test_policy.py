@@ -89,15 +89,22 @@ def test_the_plain_window_runs_from_the_last_bucket_to_the_last_allreduce():
     timings.steps = {1: [(0, 0.0), (1, 5.0)], 2: [(0, 20.0), (1, 26.0)]}
     timings.allreduces = {1: [[12.0], [4.0]], 2: [[30.0], []]}
     assert timings.plain_windows() == {1: 7.0}
+    # Step 2's compute: from step 1's last allreduce's end (12) to its own last bucket's hook call (26).
+    assert timings.computes() == {2: 14.0}
 
 
 def test_the_ranks_windows_give_the_slowest_ranks_window_and_the_wait_for_the_last_one_through_backward():
-    # 3 warm-up steps; the third not measured on rank 0, so left out. Step 1: the longest window 10 ms, the shortest
-    # 4 (rank 1, the last through backward: it waited for no one): 6 ms of waiting. Step 2: 20 and 12: 8 ms.
-    windows = [[0.010, 0.020, None], [0.004, 0.012, 0.5], [0.006, 0.015, 0.5]]
-    results = unwrap(run_ranks(scenarios.combined_windows, 3, (windows,)))
-    assert results == [pytest.approx((0.015, 0.007))] * 3
-    assert unwrap(run_ranks(scenarios.combined_windows, 2, ([[None], [0.003]],))) == [(None, None)] * 2
+    # Per step and rank, (plain window, compute before it) in ms. The window: the median of each step's longest, of
+    # the steps measured on every rank (10, 20, 30). The wait: per step measured whole, the ranks' spread of the
+    # compute, at most the windows' spread (step 2: 3; step 4: 2, the rest of the compute's spread made up in the
+    # collectives): 2.5. Step 1 has no compute (the step before it was not timed), step 3 no window on rank 0.
+    steps = {0: [(10, None), (20, 50), (None, 40), (30, 60)],
+             1: [(4, None), (12, 53), (1, 41), (29, 70)],
+             2: [(6, None), (15, 52), (1, 50), (28, 65)]}
+    windows = [[tuple(None if x is None else x / 1e3 for x in pair) for pair in steps[rank]] for rank in range(3)]
+    assert unwrap(run_ranks(scenarios.combined_windows, 3, (windows,))) == [pytest.approx((0.020, 0.0025))] * 3
+    unmeasured = [[(None, None)], [(0.003, 0.010)]]
+    assert unwrap(run_ranks(scenarios.combined_windows, 2, (unmeasured,))) == [(None, None)] * 2
 
 
 def test_the_wait_for_the_last_rank_through_backward_is_in_every_options_time_and_not_in_the_load():
