@@ -94,14 +94,22 @@ class WarmupTimings:
             return None
         return [statistics.median(column) for column in zip(*offsets)]
 
+    def _last_completion(self, step: int):
+        """The mark of step's last allreduce completion; None unless every allreduce it launched completed."""
+        completions = self.allreduces.get(step)
+        if not completions or not all(completions):
+            return None
+        ends = [done[0] for done in completions]
+        return max(ends, key=lambda mark: self.clock.seconds(ends[0], mark))  # CUDA events order by elapsed time
+
     def plain_windows(self) -> dict[int, float]:
         """Per warm-up step whose allreduces all completed (step -> seconds), from its last bucket's hook call to its
         last allreduce's completion: the plain step's communication beyond backward, as the model predicts it."""
         windows = {}
-        for step, completions in self.allreduces.items():
-            if completions and all(completions):
-                last_called = self.steps[step][-1][1]
-                windows[step] = max(0.0, *(self.clock.seconds(last_called, done[0]) for done in completions))
+        for step in self.allreduces:
+            last = self._last_completion(step)
+            if last is not None:
+                windows[step] = max(0.0, self.clock.seconds(self.steps[step][-1][1], last))
         return windows
 
     def computes(self) -> dict[int, float]:
@@ -111,10 +119,8 @@ class WarmupTimings:
         is in), so the ranks' spread of this is how long the first through backward waits for the last one."""
         computes = {}
         for step, marks in self.steps.items():
-            previous = self.allreduces.get(step - 1)
-            if previous and all(previous):
-                ends = [done[0] for done in previous]
-                left = max(ends, key=lambda mark: self.clock.seconds(ends[0], mark))  # events order by elapsed time
+            left = self._last_completion(step - 1)
+            if left is not None:
                 computes[step] = self.clock.seconds(left, marks[-1][1])
         return computes
 
