@@ -11,10 +11,11 @@
 #              GoogleTest suite and its CUDA tests
 #   gtest      the GoogleTest suite (its CUDA tests compare every CUDA codec with the CPU codec bit for bit)
 #   sanitizer  the CUDA GoogleTests under compute-sanitizer: memcheck, then racecheck
-#              (GPU_CHECK_SANITIZER_TOOLS=memcheck for memcheck alone: racecheck takes minutes)
+#              (GPU_CHECK_SANITIZER_TOOLS=memcheck for memcheck alone: racecheck takes about 7x as long)
 #   gpu-tests  pytest's GPU tests (tests/python/test_cuda.py): every codec, dtype and size CPU against
 #              CUDA bit for bit, the two-phase ops, the device payload checks, DDP with 2 ranks on one GPU
-#              over gloo, and a DDP step of every codec on NCCL with host-device syncs made errors
+#              over gloo, a DDP step of every codec on NCCL with host-device syncs made errors, and
+#              policy="time" on the GPU (one decision on 2 ranks; no host-device sync once it is taken)
 #   suite      the rest of the pytest suite against this build (without a GPU: the tests of what the
 #              build changes, see suite())
 #   kernels    benchmarks/kernels.py --device cuda (with the PowerSGD hook step against torch's
@@ -34,10 +35,10 @@
 # Debian's /usr/src/googletest); GPU_CHECK_STAGES (a comma-separated subset of the stages above, to
 # split a run; default all); GPU_CHECK_SANITIZER_TOOLS (default "memcheck racecheck"); GPU_CHECK_JOBS
 # (pytest-xdist workers for the suite where xdist is installed; default 4 with a GPU, 0 without).
-# Within a short lease, the suite left to tools/test.sh (on an H200 with 16 cores, build, gtest, gpu-tests
-# and kernels took 133 s; memcheck of the CUDA GoogleTests, 10 s more when run by hand without the
-# 3M-element cases, which this stage includes: allow a minute or so):
-#   GPU_CHECK_STAGES=build,gtest,sanitizer,gpu-tests,kernels GPU_CHECK_SANITIZER_TOOLS=memcheck
+# Within a short lease, the suite left to tools/test.sh (on an H200 with 16 cores: build 43 s, gtest 14 s,
+# memcheck 15 s, racecheck 105 s, gpu-tests 83 s, kernels 30 s; about 5 minutes in all):
+#   GPU_CHECK_STAGES=build,gtest,sanitizer,gpu-tests,kernels
+# (add GPU_CHECK_SANITIZER_TOOLS=memcheck to leave racecheck out where even that is too long).
 set -uo pipefail
 if [ $# -ne 1 ] || [ -z "$1" ]; then
   echo "usage: bash tools/gpu_check.sh OUT_DIR" >&2
@@ -53,7 +54,9 @@ rm -f "$OUT"/gpu_check.{md,json,log} "$OUT"/kernels_cuda.{json,csv,png} "$OUT"/t
 WORK=$REPO/build/gpu-check
 SITE=$WORK/site
 mkdir -p "$WORK"
-rm -f "$WORK"/stages.tsv "$WORK"/*.xml "$WORK"/machine.json
+# An earlier run's records are not this one's: its kernel timings would report speed targets this run never measured.
+rm -f "$WORK"/stages.tsv "$WORK"/*.xml "$WORK"/machine.json "$WORK"/kernels_cuda.{json,csv,png} \
+  "$WORK"/two_phase_ops_cuda.{json,csv,png}
 exec > >(tee "$OUT/gpu_check.log") 2>&1
 log_writer=$!
 

@@ -147,3 +147,55 @@ def combined_windows(rank, world, windows):
     *_, window, skew = measure.combine(time_policy.CostModel({}, {}), None, 0, dist.group.WORLD, torch.device("cpu"),
                                        None, windows[rank])
     return window, skew
+
+
+def on_gpu(rank, world, configs, steps_after):
+    """policy="time" on cuda:0: over gloo with every rank on cuda:0, or at world size 1 over NCCL, where every step
+    after the decision stands runs its backward under torch.cuda.set_sync_debug_mode("error") (which raises at any
+    host-device sync). configs: {name: (spec, options, schedule)}, schedule as in recorded (None: the policy's own
+    choice). Per config: trains until the decision stands (its trial over), then steps_after steps; returns the
+    decision, the step it stood at, the error (or None), the held-out loss before and after, the schemes at the end,
+    the stats and the final parameters (on the CPU)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import torch.nn as nn
+    from ddp_scenarios import BUCKET_CAP_MB, batch
+
+    nccl = dist.get_world_size() == 1
+    group = dist.new_group([0], backend="nccl") if nccl else None
+    device = torch.device("cuda", 0)
+    x_held, y_held = (t.to(device) for t in batch(10_000, 0, rank))
+    choose = time_policy.choose
+    out = {}
+    for name, (spec, options, schedule) in configs.items():
+        time_policy.choose = choose if schedule is None else scheduled(schedule)
+        model = make_model("mlp").to(device)
+        ddp = DDP(model, device_ids=[0], bucket_cap_mb=BUCKET_CAP_MB, process_group=group)
+        state = gradcomp.register(ddp, spec, policy="time", **options)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        with torch.no_grad():
+            before = float(nn.functional.cross_entropy(model(x_held), y_held))
+        error, stood, step = None, None, 0
+        while error is None and (stood is None or step < stood + steps_after) and step < 400:
+            x, y = (t.to(device) for t in batch(step, 0, rank))
+            loss = nn.functional.cross_entropy(ddp(x), y)
+            try:
+                torch.cuda.set_sync_debug_mode("error" if nccl and stood is not None else "default")
+                loss.backward()
+            except RuntimeError as failure:
+                error = f"step {step}: {failure}"
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            optimizer.step()
+            optimizer.zero_grad()
+            step += 1
+            if stood is None and state.iter > 0 and not state.deciding:
+                stood = step
+        torch.cuda.synchronize()
+        with torch.no_grad():
+            after = float(nn.functional.cross_entropy(model(x_held), y_held))
+        out[name] = {"decision": state.stats()["decision"], "stood": stood, "error": error,
+                     "held_out": (before, after), "schemes": {p.index: p.scheme for p in state._plans.values()},
+                     "stats": state.stats()["total"], "params": [p.detach().cpu() for p in model.parameters()]}
+    time_policy.choose = choose
+    return out

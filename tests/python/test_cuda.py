@@ -1,7 +1,7 @@
 """The CUDA codecs through torch.ops.gradcomp: bit for bit the CPU codecs' payloads, residuals and
 sums, and the two-phase ops'; device-side payload checks; device errors; the DDP hook with two ranks on
-one GPU (gloo); no host-device sync in a DDP step on NCCL. Every test here needs a CUDA GPU and skips
-cleanly without one."""
+one GPU (gloo); no host-device sync in a DDP step on NCCL; policy="time" deciding from CUDA events. Every test
+here needs a CUDA GPU and skips cleanly without one."""
 
 import pytest
 import torch
@@ -257,3 +257,62 @@ def test_a_ddp_step_of_every_codec_makes_no_host_sync():
         assert result[spec]["error"] is None, (spec, result[spec]["error"])
         assert (result[spec]["stats"]["compressed_buckets"] > 0) == (spec != "none"), spec  # none goes plain
 
+
+
+POLICY_ON_GPU = {
+    "signsgd": ("signsgd", {}, None),
+    "qsgd": ("qsgd", {}, None),
+    "powersgd": ("powersgd:rank=2", {}, None),
+    "topk mixed": ("topk:ratio=0.1", {"trial_steps": 0}, [["two-phase", "plain"]]),
+    "powersgd mixed": ("powersgd:rank=2", {"trial_steps": 0}, [["powersgd", "plain"]]),
+}
+
+
+def check_policy_run(name, run, world):
+    """A policy="time" run on the GPU: its decision stood (trial over), timed with CUDA events (finite, non-negative
+    figures and a plain window from the warm-up), the scheduled choices where given, and it trained."""
+    decision = run["decision"]
+    assert run["error"] is None, (name, run["error"])
+    assert run["stood"] is not None and decision is not None, name
+    assert decision["world_size"] == world and decision["plain_window_s"] is not None, (name, decision)
+    assert decision["plain_window_s"] >= 0 and decision["backward_skew_s"] >= 0, (name, decision)
+    for bucket in decision["buckets"]:
+        for option, parts in bucket["predicted_s"].items():
+            assert all(0 <= part < 10 for part in parts), (name, option, parts)
+    schedule = POLICY_ON_GPU[name][2]
+    if schedule is not None:
+        names = schedule[0]
+        assert [b["choice"] for b in sorted(decision["buckets"], key=lambda b: b["index"])] == \
+            [names[i % len(names)] for i in range(len(decision["buckets"]))], (name, decision["buckets"])
+        assert run["stats"]["compressed_buckets"] > 0, name
+    before, after = run["held_out"]
+    assert after < before, (name, run["held_out"])
+
+
+@needs_cuda_build
+def test_policy_time_on_the_gpu_with_two_ranks_takes_one_decision():
+    """Two ranks on cuda:0 over gloo under policy="time" (the default warm-up and trial): both take the same decision
+    from CUDA-event timings, follow it, and end with the same parameters."""
+    import policy_scenarios
+
+    results = unwrap(run_ranks(policy_scenarios.on_gpu, 2, (POLICY_ON_GPU, 4), timeout=600))
+    for name in POLICY_ON_GPU:
+        for result in results:
+            check_policy_run(name, result[name], 2)
+        first, second = results[0][name], results[1][name]
+        assert [b["choice"] for b in first["decision"]["buckets"]] == \
+            [b["choice"] for b in second["decision"]["buckets"]], name
+        assert first["decision"]["trial"] == second["decision"]["trial"], name
+        assert first["schemes"] == second["schemes"] and first["stood"] == second["stood"], name
+        assert all(torch.equal(a, b) for a, b in zip(first["params"], second["params"])), name
+
+
+@needs_cuda_build
+def test_policy_time_on_nccl_makes_no_host_sync_once_decided():
+    """World size 1 on NCCL under policy="time": the decision and the trial's verdicts read the CUDA events (their
+    one sync each); every step after the decision stands makes no host-device sync."""
+    import policy_scenarios
+
+    result = unwrap(run_ranks(policy_scenarios.on_gpu, 1, (POLICY_ON_GPU, 4), timeout=600))[0]
+    for name, run in result.items():
+        check_policy_run(name, run, 1)

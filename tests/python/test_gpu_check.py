@@ -31,6 +31,8 @@ def write_records(work: Path):
     (work / "pytest-gpu.xml").write_text(
         '<testsuites><testsuite name="pytest">'
         '<testcase classname="python.test_cuda" name="test_a_ddp_step_of_every_codec_makes_no_host_sync"/>'
+        '<testcase classname="python.test_cuda" name="test_policy_time_on_nccl_makes_no_host_sync_once_decided">'
+        '<failure message="synced"/></testcase>'
         '<testcase classname="python.test_cuda" name="test_x"><failure message="boom"/></testcase>'
         '<testcase classname="python.test_cuda" name="test_y"><skipped message="no"/></testcase>'
         '</testsuite></testsuites>')
@@ -52,8 +54,9 @@ def test_the_report_gives_each_stage_test_count_and_target(tmp_path):
         ("build", "passed"), ("gtest", "failed"), ("sanitizer", "skipped"), ("gpu-tests", "not run"),
         ("suite", "not run"), ("kernels", "not run")]
     gpu_tests = summary["tests"]["pytest-gpu"]
-    assert (gpu_tests["passed"], gpu_tests["failed"], gpu_tests["skipped"]) == (1, 1, 1)
-    assert gpu_tests["failed_tests"] == ["python.test_cuda.test_x"]
+    assert (gpu_tests["passed"], gpu_tests["failed"], gpu_tests["skipped"]) == (1, 2, 1)
+    assert gpu_tests["failed_tests"] == ["python.test_cuda.test_policy_time_on_nccl_makes_no_host_sync_once_decided",
+                                         "python.test_cuda.test_x"]
     met = {t["target"].split(",")[0]: t["met"] for t in summary["targets"]}
     assert met["signsgd encode / copy_"] is True and met["terngrad encode / copy_"] is False
     assert met["qsgd encode / copy_"] is None  # not measured
@@ -62,6 +65,7 @@ def test_the_report_gives_each_stage_test_count_and_target(tmp_path):
     assert met["two-phase owner of qsgd"] is True  # 0.75 against the encodes' 0.7
     assert met["two-phase decode of topk:ratio=0.01"] is False  # 0.05 against topk's own encode share, 0.1
     assert met["no host-device sync in a DDP step of any codec (NCCL"] is True
+    assert met['no host-device sync in a DDP step once policy="time" has decided (NCCL'] is False
     text = (out / "gpu_check.md").read_text()
     assert "# gpu_check: Some GPU" in text and "MISSED" in text and "not measured" in text
     assert result.stdout == text
