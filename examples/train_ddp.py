@@ -57,7 +57,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="model init and data order")
     parser.add_argument("--nprocs", type=int, default=2, help="local ranks to start (ignored under torchrun)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    parser.add_argument("--backend", choices=["gloo", "nccl"], help="default: nccl under torchrun with CUDA, else gloo")
+    parser.add_argument("--backend", choices=["gloo", "nccl"],
+                        help="default: nccl under torchrun where each local rank has a GPU of its own, else gloo")
     parser.add_argument("--port", type=int, default=0, help="rendezvous port for local ranks (0: a free one)")
     parser.add_argument("--checkpoint", metavar="DIR", help="save DIR/ckpt.rank{r}.pt after every epoch")
     parser.add_argument("--resume", action="store_true",
@@ -124,6 +125,23 @@ def find_free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def choose_backend(asked: str | None, local_ranks: int, under_torchrun: bool) -> str:
+    """The process group's backend: the one asked for, else NCCL under torchrun where every local rank has a GPU of its
+    own (rank r on cuda:r), else gloo on the CPUs. NCCL asked for without a GPU per local rank is refused by name."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if asked == "nccl" and gpus < local_ranks:
+        raise SystemExit(f"--backend nccl needs a GPU per local rank: {local_ranks} local ranks, {gpus} GPU(s) "
+                         f"visible; use --backend gloo, or as many ranks per node as GPUs")
+    if asked is not None:
+        return asked
+    if under_torchrun and gpus >= local_ranks:
+        return "nccl"
+    if under_torchrun and gpus > 0 and int(os.environ.get("LOCAL_RANK", 0)) == 0:
+        print(f"{local_ranks} local ranks, {gpus} GPU(s): training on the CPUs over gloo (NCCL takes a GPU per rank)",
+              file=sys.stderr)
+    return "gloo"
 
 
 def finish_spawned_rank(rank: int, rank_fn, *args) -> None:
@@ -293,16 +311,17 @@ def main() -> None:
     args = parse_args()
     args.started = time.time()
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by torchrun: join its process group
-        backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        backend = choose_backend(args.backend, local_ranks, under_torchrun=True)
         train(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), backend, args,
               local_rank=int(os.environ.get("LOCAL_RANK", 0)))
         return
+    backend = choose_backend(args.backend, args.nprocs, under_torchrun=False)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(args.port or find_free_port())
     data = load_mnist1d()  # once here rather than in every rank: generating it takes seconds
     # An exception in any rank makes spawn terminate the others and raise here: a non-zero exit.
-    mp.spawn(finish_spawned_rank, args=(train, args.nprocs, args.backend or "gloo", args, data), nprocs=args.nprocs,
-             join=True)
+    mp.spawn(finish_spawned_rank, args=(train, args.nprocs, backend, args, data), nprocs=args.nprocs, join=True)
 
 
 if __name__ == "__main__":

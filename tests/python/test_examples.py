@@ -1,5 +1,6 @@
 """The main job (examples/train_ddp.py) end to end: 2 local ranks train, report, checkpoint and resume."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -7,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytestmark = pytest.mark.needs("mnist1d")  # the main job's data
 
@@ -71,6 +73,39 @@ def test_main_job_prints_the_time_policys_decision_once():
     stdout = run_main_job("--epochs", 1, "--compressor", "signsgd", "--policy", "time")
     assert stdout.count("policy='time': decided at step 4 on 2 ranks") == 1, stdout  # the default start_iter
     assert "predicted communication per step beyond backward" in stdout and "final test acc" in stdout
+
+
+def load_main_job_module():
+    spec = importlib.util.spec_from_file_location("train_ddp", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("gpus", [0, 1, 2, 8])
+def test_the_main_job_takes_nccl_only_where_every_local_rank_has_a_gpu(monkeypatch, capsys, gpus):
+    job = load_main_job_module()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    for local_ranks in (1, 2, 8):
+        enough = gpus >= local_ranks
+        assert job.choose_backend(None, local_ranks, under_torchrun=True) == ("nccl" if enough else "gloo")
+        assert job.choose_backend(None, local_ranks, under_torchrun=False) == "gloo"  # spawned ranks: the CPUs
+        assert job.choose_backend("gloo", local_ranks, under_torchrun=True) == "gloo"
+        if enough:
+            assert job.choose_backend("nccl", local_ranks, under_torchrun=False) == "nccl"
+        else:
+            with pytest.raises(SystemExit, match=f"--backend nccl needs a GPU per local rank: {local_ranks} local "
+                                                 f"ranks, {gpus} GPU"):
+                job.choose_backend("nccl", local_ranks, under_torchrun=True)
+    told = capsys.readouterr().err
+    assert ("training on the CPUs over gloo" in told) == (gpus == 1 or gpus == 2), told  # too few GPUs, some
+
+
+@pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="this machine has a GPU for each of the job's 2 ranks")
+def test_main_job_refuses_nccl_without_a_gpu_per_rank():
+    stderr = run_main_job("--epochs", 1, "--backend", "nccl", expect_ok=False)
+    assert "--backend nccl needs a GPU per local rank: 2 local ranks" in stderr, stderr[-2000:]
 
 
 def test_main_job_refuses_an_unknown_compressor():
