@@ -303,10 +303,11 @@ def combine(model: CostModel, ready: list[float] | None, buckets: int, group, de
     """Every rank's measurements, the largest of each (the slowest rank sets the pace): one allreduce, after which
     every rank holds the same numbers. windows: per warm-up step (the same steps on every rank), this rank's
     (plain window, compute before it: WarmupTimings.computes), either None where not measured. Returns (model,
-    ready, measured, window, skew): ready None where any rank lacks it; window the median over the steps measured
-    on every rank of the slowest rank's window (None where none was); skew the median of the ranks' spread of the
-    compute, no more than that of the windows (how long a rank through backward early waits for the last: the
-    rest of the windows' spread is the collectives' own, uneven between the ranks), None where none was measured."""
+    ready, measured, window, skew): ready None where any rank lacks it; window the median of the slowest rank's
+    window over the steps whose window and compute were measured on every rank (where none was, over those with a
+    window; None where none had one); skew, over the same steps, the median of the ranks' spread of the compute, no
+    more than that of the windows (how long a rank through backward early waits for the last: the rest of the
+    windows' spread is the collectives' own, uneven between the ranks), None where none was measured."""
     links, kernels = sorted(model.links), sorted(model.kernels)
     measured_lines = [model.links[key] for key in links] + [model.kernels[key] for key in kernels]
     values = [x for line in measured_lines for x in line.params()]
@@ -338,8 +339,11 @@ def combine(model: CostModel, ready: list[float] | None, buckets: int, group, de
         spans.append(None if missing else (largest, largest + negated_least))
         at += 3
     per_step = list(zip(spans[0::2], spans[1::2]))
-    slowest = [window[0] for window, _ in per_step if window is not None]
-    waits = [min(compute[1], window[1]) for window, compute in per_step if window is not None and compute is not None]
+    # The window and the wait from the same steps (so the wait is never more than the window), those with both:
+    # the first timed step has no compute (the step before it, DDP's first, is not timed).
+    whole = [(window, compute) for window, compute in per_step if window is not None and compute is not None]
+    slowest = [window[0] for window, _ in whole] or [window[0] for window, _ in per_step if window is not None]
+    waits = [min(compute[1], window[1]) for window, compute in whole]
     window = statistics.median(slowest) if slowest else None
     skew = statistics.median(waits) if waits else None
     missing, offsets = values[at], values[at + 1:]

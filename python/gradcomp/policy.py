@@ -65,7 +65,9 @@ from .schemes import AllreduceBucket, PowerSGDBucket
 from .schemes.hierarchical import inner_plan_class
 
 POLICIES = ("codec", "time")
-WARMUP_STEPS = 4  # start_iter by default: DDP's first step, then 3 timed plain steps, whose median window sets the load
+# start_iter by default: DDP's first step; the next, timed, though its compute (after DDP's bucket rebuild) is not
+# read; then 3 whose median window and wait set the load.
+WARMUP_STEPS = 5
 MARGIN = 0.05  # an option replaces plain only where the model predicts it at least this much faster
 KINDS = ("allreduce", "all-gather", "all-to-all", "reduce-scatter")
 

@@ -61,9 +61,9 @@ def register(ddp_model: torch.nn.Module, spec: "str | CompressionState" = "topk"
         "auto" (the default): hierarchical where the ranks form several nodes of several ranks, else per
         bucket the flat scheme that sends fewer bytes at this world size; "flat" is auto without the
         hierarchical scheme. Other codecs take "auto", "flat" or "hierarchical".
-    start_iter: steps of plain allreduce first (past DDP's bucket rebuild after step 0): by default 2, and 4 under
-        policy="time" (whose load is the median of the 3 plain steps after DDP's first). Under AdamW a few % of the
-        run's steps: much of what a codec costs there arises in the first steps.
+    start_iter: steps of plain allreduce first (past DDP's bucket rebuild after step 0): by default 2, and 5 under
+        policy="time" (whose load is read from the last 3 plain steps: gradcomp.policy.WARMUP_STEPS). Under AdamW a
+        few % of the run's steps: much of what a codec costs there arises in the first steps.
     start_codec: a codec spec for those first steps in place of plain allreduce, one that keeps no state
         between steps (any codec but powersgd, with error_feedback=false, the default of none, fp16, bf16, qsgd
         and terngrad), e.g. "qsgd:levels=127", about 4x smaller than plain. It travels by `scheme` too.

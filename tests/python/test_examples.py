@@ -71,7 +71,7 @@ def test_main_job_under_torchrun_on_two_simulated_nodes_exits_0(tmp_path):
 
 def test_main_job_prints_the_time_policys_decision_once():
     stdout = run_main_job("--epochs", 1, "--compressor", "signsgd", "--policy", "time")
-    assert stdout.count("policy='time': decided at step 4 on 2 ranks") == 1, stdout  # the default start_iter
+    assert stdout.count("policy='time': decided at step 5 on 2 ranks") == 1, stdout  # the default start_iter
     assert "predicted communication per step beyond backward" in stdout and "final test acc" in stdout
 
 

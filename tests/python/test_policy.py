@@ -94,17 +94,29 @@ def test_the_plain_window_runs_from_the_last_bucket_to_the_last_allreduce():
 
 
 def test_the_ranks_windows_give_the_slowest_ranks_window_and_the_wait_for_the_last_one_through_backward():
-    # Per step and rank, (plain window, compute before it) in ms. The window: the median of each step's longest, of
-    # the steps measured on every rank (10, 20, 30). The wait: per step measured whole, the ranks' spread of the
-    # compute, at most the windows' spread (step 2: 3; step 4: 2, the rest of the compute's spread made up in the
-    # collectives): 2.5. Step 1 has no compute (the step before it was not timed), step 3 no window on rank 0.
+    # Per step and rank, (plain window, compute before it) in ms. Both come from the steps measured whole on every
+    # rank: step 1 has no compute (the step before it was not timed), step 3 no window on rank 0. The window: the
+    # median of each step's longest (20, 30). The wait: the ranks' spread of the compute, at most the windows' spread
+    # (step 2: 3; step 4: 2, the rest of the compute's spread made up in the collectives): 2.5.
     steps = {0: [(10, None), (20, 50), (None, 40), (30, 60)],
              1: [(4, None), (12, 53), (1, 41), (29, 70)],
              2: [(6, None), (15, 52), (1, 50), (28, 65)]}
-    windows = [[tuple(None if x is None else x / 1e3 for x in pair) for pair in steps[rank]] for rank in range(3)]
-    assert unwrap(run_ranks(scenarios.combined_windows, 3, (windows,))) == [pytest.approx((0.020, 0.0025))] * 3
+    combined = unwrap(run_ranks(scenarios.combined_windows, 3, (in_seconds(steps),)))
+    assert combined == [pytest.approx((0.025, 0.0025))] * 3
+    # Ranks far apart through backward in the steps measured whole, close in the first: taken over every step with a
+    # window, the window (median of 5.5, 30, 25: 25) would come out below the wait (median of 28, 24: 26).
+    apart = {0: [(5, None), (30, 60), (25, 70)], 1: [(5.5, None), (2, 90), (1, 95)]}
+    window, wait = unwrap(run_ranks(scenarios.combined_windows, 2, (in_seconds(apart),)))[0]
+    assert (window, wait) == pytest.approx((0.0275, 0.026)) and wait <= window
+    only_windows = {0: [(4, None)], 1: [(6, None)]}  # start_iter=2: one timed step, no compute
+    assert unwrap(run_ranks(scenarios.combined_windows, 2, (in_seconds(only_windows),))) == [(0.006, None)] * 2
     unmeasured = [[(None, None)], [(0.003, 0.010)]]
     assert unwrap(run_ranks(scenarios.combined_windows, 2, (unmeasured,))) == [(None, None)] * 2
+
+
+def in_seconds(steps: dict) -> list:
+    """Per rank, its (window, compute) pairs in ms as seconds."""
+    return [[tuple(None if x is None else x / 1e3 for x in pair) for pair in steps[rank]] for rank in sorted(steps)]
 
 
 def test_the_wait_for_the_last_rank_through_backward_is_in_every_options_time_and_not_in_the_load():
@@ -230,7 +242,7 @@ def test_bad_options_are_refused_by_name():
         with pytest.raises(ValueError, match=named.replace("(", r"\(").replace(")", r"\)")):
             gradcomp.CompressionState("topk", **options)
     assert "no decision yet" in gradcomp.CompressionState("topk", policy="time").explain()
-    assert gradcomp.CompressionState("topk", policy="time").start_iter == time_policy.WARMUP_STEPS == 4
+    assert gradcomp.CompressionState("topk", policy="time").start_iter == time_policy.WARMUP_STEPS == 5
     assert gradcomp.CompressionState("topk").start_iter == 2
 
 
