@@ -1,6 +1,6 @@
-"""What each rank runs in test_policy.py: policy="time" on the small MLP, with what each rank sent and what DDP applied
-per step, and every decision taken. Where a test needs given decisions, gradcomp.policy.choose is replaced by a
-schedule: one list of option names per decision, cycled over the buckets."""
+"""What each rank runs in test_policy.py (and test_cuda.py's policy tests): policy="time" on the small MLP, with what
+each rank sent and what DDP applied per step, and every decision taken. Where a test needs given decisions,
+gradcomp.policy.choose is replaced by a schedule: one list of option names per decision, cycled over the buckets."""
 
 from __future__ import annotations
 
@@ -8,12 +8,14 @@ import os
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradcomp
 import gradcomp.measure as measure
 import gradcomp.policy as time_policy
 import gradcomp.trial as policy_trial
-from ddp_scenarios import make_model, train, wrap
+from ddp_scenarios import BUCKET_CAP_MB, batch, make_model, train, wrap
 from reliability_scenarios import hook_recording_sent, residuals_per_parameter
 
 
@@ -156,11 +158,6 @@ def on_gpu(rank, world, configs, steps_after):
     choice). Per config: trains until the decision stands (its trial over), then steps_after steps; returns the
     decision, the step it stood at, the error (or None), the held-out loss before and after, the schemes at the end,
     the stats and the final parameters (on the CPU)."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    import torch.nn as nn
-    from ddp_scenarios import BUCKET_CAP_MB, batch
-
     nccl = dist.get_world_size() == 1
     group = dist.new_group([0], backend="nccl") if nccl else None
     device = torch.device("cuda", 0)

@@ -258,7 +258,6 @@ def test_a_ddp_step_of_every_codec_makes_no_host_sync():
         assert (result[spec]["stats"]["compressed_buckets"] > 0) == (spec != "none"), spec  # none goes plain
 
 
-
 POLICY_ON_GPU = {
     "signsgd": ("signsgd", {}, None),
     "qsgd": ("qsgd", {}, None),
