@@ -36,7 +36,7 @@ from torch.nn.parallel import DistributedDataParallel
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.join(ROOT, "examples"), os.path.join(ROOT, "benchmarks")]
 import train_ddp as main_job  # noqa: E402 - the main job's model, data and recipe
-from bench_common import machine, run_plan, torchrun_backend, write_results  # noqa: E402
+from bench_common import machine, run_plan, write_results  # noqa: E402
 
 import gradcomp  # noqa: E402
 
@@ -291,7 +291,8 @@ def main(argv=None) -> None:
     raw_path = stem + ".runs.json"
     started = time.time()
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
-        backend = torchrun_backend()
+        # the main job's rule: NCCL where every local rank has a GPU of its own (run_plan: cuda:LOCAL_RANK)
+        backend = main_job.choose_backend(None, int(os.environ.get("LOCAL_WORLD_SIZE", 1)), under_torchrun=True)
         world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
         rank_main(rank, world, backend, plan, {}, args, raw_path)
         if rank != 0:

@@ -36,13 +36,6 @@ def machine() -> dict:
             "gradcomp": gradcomp.__version__, "commit": commit, "date": time.strftime("%Y-%m-%d")}
 
 
-def torchrun_backend() -> str:
-    """Under torchrun: NCCL where every local rank has a GPU of its own (run_plan puts rank r on cuda:LOCAL_RANK), else
-    gloo on the CPUs."""
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= local_ranks else "gloo"
-
-
 def run_plan(rank: int, world: int, backend: str, plan: list, run_one, describe, results_path: str,
              threads: int) -> None:
     """A rank of a sweep: every item of plan in turn in one process group, run_one(item, device) giving a run

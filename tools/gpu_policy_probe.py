@@ -22,10 +22,10 @@ def main():
         for name, run in results[0].items():
             decision = run["decision"]
             trial = decision.get("trial") or {}
+            buckets = sorted(decision["buckets"], key=lambda b: b["index"])
             out[f"{name} world={world}"] = {
                 "stood_at_step": run["stood"], "error": run["error"],
-                "choices": [b["choice"] for b in sorted(decision["buckets"], key=lambda b: b["index"])],
-                "bucket_bytes": [b["bytes"] for b in sorted(decision["buckets"], key=lambda b: b["index"])],
+                "choices": [b["choice"] for b in buckets], "bucket_bytes": [b["bytes"] for b in buckets],
                 "trial_chosen": trial.get("chosen"), "trial_measured_step_s": trial.get("measured_step_s"),
                 "plain_step_s": trial.get("plain_step_s"),
                 "plain_window_s": decision["plain_window_s"], "backward_skew_s": decision["backward_skew_s"],
