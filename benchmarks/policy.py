@@ -18,9 +18,12 @@ Ratios are to the same link's limit. Beside each row, the spread (max - min) / m
 round's ratio to that round's limit (the figure the tables compare), and the same of its milliseconds ("of ms",
 which carries the machine's drift).
 The cost model's prediction: the policy's decision predicts each option's exposed communication per step (beyond
-backward without it); measured, the window from the last bucket's hook call to the completion of the last bucket's
-future, read around the hook (plain DDP runs as torch's allreduce hook for this), the slowest rank's, median over
-steps and rounds; beside it, the step minus the limit's step.
+the slowest rank's backward without it); measured, on each rank the time from where its backward would have called
+the last bucket's hook had no hook held it up (the last call less the time spent inside the calls before it, the
+encodes that ran on backward's thread) to the completion of the last bucket's future, read around the hook (plain
+DDP runs as torch's allreduce hook for this); per step the least over the ranks, the last rank's through backward
+(every rank leaves the step together); median over steps and rounds. Beside it, the step minus the limit's step;
+the JSON keeps each step's slowest window (the last call to the last completion: the wait for the last rank in it).
 With several ranks on 2 cores the ranks' compute is shared, so times compare only within one world size and link.
 Results: policy[_quick].{json,csv,png} in --out.
 """
@@ -75,28 +78,40 @@ def configurations(codec_specs: list[str]) -> list[tuple[str, str | None, dict]]
 
 
 class ExposedWindow:
-    """A step's communication as the cost model counts it: from the last bucket's hook call to the completion of the
-    last bucket's future (the communication that backward did not hide), read around whichever hook runs."""
+    """A step's communication as the cost model counts it, on this rank, read around whichever hook runs: from where
+    this rank's backward would have called its last bucket's hook had no hook held it up (the last call less the
+    time spent inside the calls before it: the encodes, run on backward's thread) to the completion of the last
+    bucket's future. The last rank through backward has the least of it (every rank leaves the step together), and
+    that is the figure a step shows (time_round); `windows` keeps each step's plain window (the last call to the
+    last completion) beside it."""
 
     def __init__(self):
-        self.called, self.done = [], []
+        self.called, self.held, self.done, self.windows = [], [], [], []
 
     def around(self, hook):
         def timed(state, bucket):
-            self.called.append(time.perf_counter())
+            called = time.perf_counter()
+            self.called.append(called)
 
             def completed(future):
                 self.done.append(time.perf_counter())
                 return future.value()
 
-            return hook(state, bucket).then(completed)
+            future = hook(state, bucket).then(completed)
+            self.held.append(time.perf_counter() - called)
+            return future
 
         return timed
 
     def take(self) -> float:
-        seconds = max(self.done) - max(self.called) if self.done else 0.0
-        self.called, self.done = [], []
-        return seconds
+        if self.done:
+            window = max(self.done) - max(self.called)
+            exposed = window + sum(self.held) - self.held[-1]  # the last call's time is inside its window
+        else:
+            window = exposed = 0.0
+        self.windows.append(window)
+        self.called, self.held, self.done = [], [], []
+        return exposed
 
 
 class Configuration:
@@ -136,6 +151,7 @@ class Configuration:
         while self.state is not None and self.state.deciding:  # the policy's trial: its steps are not timed here
             self.step()
             self.window.take()
+        self.window.windows.clear()
 
     def timed_step(self) -> None:
         dist.barrier()
@@ -145,7 +161,7 @@ class Configuration:
         self.exposed.append(self.window.take())
 
     def result(self) -> dict:
-        result = {"times": self.times, "exposed": self.exposed}
+        result = {"times": self.times, "exposed": self.exposed, "windows": self.window.windows}
         if self.state is not None:
             stats = self.state.stats()
             result["schemes"], result["decision"] = stats["schemes"], stats["decision"]
@@ -179,7 +195,8 @@ def time_round(args, round_: int, model_name: str) -> list[dict]:
         dist.all_gather_object(everyone, mine)
         runs.append({"round": round_, "model": model_name, "config": label, "spec": spec,
                      "step_s": [max(r["times"][i] for r in everyone) for i in range(args.steps)],
-                     "exposed_s": [max(r["exposed"][i] for r in everyone) for i in range(args.steps)],
+                     "exposed_s": [min(r["exposed"][i] for r in everyone) for i in range(args.steps)],
+                     "slowest_window_s": [max(r["windows"][i] for r in everyone) for i in range(args.steps)],
                      "schemes": mine.get("schemes"), "decision": mine.get("decision")})
         if args.rank == 0:
             print(f"  round {round_} {model_name:9s} {label:32s} "

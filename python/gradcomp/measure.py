@@ -303,11 +303,13 @@ def combine(model: CostModel, ready: list[float] | None, buckets: int, group, de
     """Every rank's measurements, the largest of each (the slowest rank sets the pace): one allreduce, after which
     every rank holds the same numbers. windows: per warm-up step (the same steps on every rank), this rank's
     (plain window, compute before it: WarmupTimings.computes), either None where not measured. Returns (model,
-    ready, measured, window, skew): ready None where any rank lacks it; window the median of the slowest rank's
-    window over the steps whose window and compute were measured on every rank (where none was, over those with a
-    window; None where none had one); skew, over the same steps, the median of the ranks' spread of the compute, no
-    more than that of the windows (how long a rank through backward early waits for the last: the rest of the
-    windows' spread is the collectives' own, uneven between the ranks), None where none was measured."""
+    ready, measured, window, skew): ready None where any rank lacks it; window the median over the steps with a
+    window on every rank of the least rank's window (None where none had one): the last rank through backward's, as
+    every rank leaves the step together (its last allreduce ends once every rank's part is in), so the
+    communication beyond the slowest rank's backward; skew, over the steps whose window and compute were measured on
+    every rank, the median of the ranks' spread of the compute, no more than that of the windows (how long a rank
+    through backward early waits for the last: the rest of the windows' spread is the collectives' own, uneven
+    between the ranks), None where none was measured."""
     links, kernels = sorted(model.links), sorted(model.kernels)
     measured_lines = [model.links[key] for key in links] + [model.kernels[key] for key in kernels]
     values = [x for line in measured_lines for x in line.params()]
@@ -333,18 +335,17 @@ def combine(model: CostModel, ready: list[float] | None, buckets: int, group, de
         for k, (i, o) in enumerate(timed):
             measured[i][o] = tuple(values[at + width * k: at + width * (k + 1)])
         at += width * len(timed)
-    spans = []  # per step and figure, (the largest, the spread) over the ranks
+    spans = []  # per step and figure, (the largest, the least) over the ranks
     for _ in range(2 * len(windows)):
         missing, largest, negated_least = values[at:at + 3]
-        spans.append(None if missing else (largest, largest + negated_least))
+        spans.append(None if missing else (largest, -negated_least))
         at += 3
     per_step = list(zip(spans[0::2], spans[1::2]))
-    # The window and the wait from the same steps (so the wait is never more than the window), those with both:
-    # the first timed step has no compute (the step before it, DDP's first, is not timed).
-    whole = [(window, compute) for window, compute in per_step if window is not None and compute is not None]
-    slowest = [window[0] for window, _ in whole] or [window[0] for window, _ in per_step if window is not None]
-    waits = [min(compute[1], window[1]) for window, compute in whole]
-    window = statistics.median(slowest) if slowest else None
+    last_ranks = [window[1] for window, _ in per_step if window is not None]
+    # The first timed step has no compute (the step before it, DDP's first, is not timed): no wait read there.
+    waits = [min(compute[0] - compute[1], window[0] - window[1]) for window, compute in per_step
+             if window is not None and compute is not None]
+    window = statistics.median(last_ranks) if last_ranks else None
     skew = statistics.median(waits) if waits else None
     missing, offsets = values[at], values[at + 1:]
     return combined, (None if missing else offsets), measured, window, skew

@@ -22,17 +22,19 @@ The model
                 order once the last bucket is launched (at r_last + every encode):
                 start2_i = max(r_last + the encodes, end_i, end of the collective before);  end = start2_i +
                 second_i + decode_i;
-            exposed = the last end - r_last.
+            exposed = the last end - r_last (so the delay the encodes add to backward counts).
         A bucket whose communication hides behind later buckets' backward gains nothing from compression, and the
         choice leaves it plain.
-    skew and load: the warm-up's plain steps, whose allreduces are of the real buckets, show what a step adds to
-        the probes. The slowest rank's window (its last bucket's hook call to its last allreduce's completion)
-        holds the wait of a rank through backward early for the last one (the skew: the ranks' spread of the time
-        from the step before's end to their last hook call, no more than the windows' spread; the same wait for
-        every option, added to each one's exposed time), and collectives slower than their probes alone where the
-        cores are shared with backward and the other ranks, or uneven between the ranks (the load: every
-        collective's time is taken at the factor, link_load, that makes the plain queue end where the window less
-        the skew did; the kernels' dry-run times as measured).
+    load: the warm-up's plain steps, whose allreduces are of the real buckets, show what a step adds to the probes.
+        Every rank leaves a step together (its last allreduce ends once every rank's part is in), so the least of
+        the ranks' windows (a rank's last bucket's hook call to its last allreduce's completion) is the last rank's
+        through backward: the plain queue beyond the slowest rank's backward. Collectives run slower there than their probes
+        alone where the cores are shared with backward and the other ranks, or uneven between the ranks: every
+        collective's time is taken at the factor, link_load, that makes the plain queue end where that window did
+        (the kernels' dry-run times as measured).
+    skew: how long a rank through backward early waits for the last one (the ranks' spread of the time from the step
+        before's end to their last hook call, no more than the windows' spread), reported beside the predictions and
+        not in them: every option's step waits it, and it is the ranks' compute, not communication.
 The decision, at the first step after the warm-up: every rank measures; one allreduce (MAX: the slowest rank sets
 the pace) combines the measurements; every rank then chooses from the same numbers by the same arithmetic: per
 bucket the option with the least encode + wire + decode where it beats plain by MARGIN, then, bucket by bucket,
@@ -65,8 +67,8 @@ from .schemes import AllreduceBucket, PowerSGDBucket
 from .schemes.hierarchical import inner_plan_class
 
 POLICIES = ("codec", "time")
-# start_iter by default: DDP's first step; the next, timed, though its compute (after DDP's bucket rebuild) is not
-# read; then 3 whose median window and wait set the load.
+# start_iter by default: DDP's first step (not timed); then 4 whose median window sets the load, the last 3 of them
+# (a compute read from the step before's end) the wait.
 WARMUP_STEPS = 5
 MARGIN = 0.05  # an option replaces plain only where the model predicts it at least this much faster
 KINDS = ("allreduce", "all-gather", "all-to-all", "reduce-scatter")
@@ -401,28 +403,27 @@ def decide(model: CostModel, ready: list[float] | None, buckets: list[dict], cod
            plain_window: float | None = None, backward_skew: float | None = None) -> dict:
     """The decision for buckets ({"index", "shapes", "dtype"} in launch order): JSON-able, kept in the state.
     measured: per bucket, {option: (encode, middle, decode) seconds} of its plans' own launches, else the model's
-    kernels. plain_window: the warm-up's plain steps' communication beyond backward (seconds), the slowest rank's;
-    backward_skew: how much of it that rank spent waiting for the last rank through backward (gradcomp.measure's
-    combine), which every option's step waits too; the rest sets the load (link_load)."""
+    kernels. plain_window: the warm-up's plain steps' communication beyond the last rank's backward (seconds,
+    gradcomp.measure's combine), which sets the load (link_load); backward_skew: how long the first rank through
+    backward waited for the last (kept and shown, not predicted: every option waits it alike)."""
     options = candidates(codec, scheme_option, node_size is not None)
     overlap = ready is not None
     ready = ready if overlap else [0.0] * len(buckets)
     measured = measured or [None] * len(buckets)
-    skew = backward_skew or 0.0
     alone = [option_costs(model, options, codec, b["shapes"], b["dtype"], world, node_size, m)
              for b, m in zip(buckets, measured)]
-    load = link_load(ready, [c["plain"] for c in alone], None if plain_window is None else
-                     max(plain_window - skew, 0.0))
+    load = link_load(ready, [c["plain"] for c in alone], plain_window)
     costs = [{o: c.loaded(load) for o, c in per_option.items()} for per_option in alone]
-    choice = choose(ready, costs)  # the skew delays every option alike: the choice is the queue's
+    choice = choose(ready, costs)
 
     def predicted(per_bucket):  # the model's choice's exposed time, and each option's for every bucket
-        return {"policy": skew + exposed(ready, [c[n] for c, n in zip(per_bucket, choice)]),
-                **{o: skew + exposed(ready, [c[o] for c in per_bucket]) for o in options}}
+        return {"policy": exposed(ready, [c[n] for c, n in zip(per_bucket, choice)]),
+                **{o: exposed(ready, [c[o] for c in per_bucket]) for o in options}}
 
     return {
         "step": step, "world_size": world, "node_size": node_size, "overlap_measured": overlap,
-        "model": model.to_dict(), "options": options, "plain_window_s": plain_window, "backward_skew_s": skew,
+        "model": model.to_dict(), "options": options, "plain_window_s": plain_window,
+        "backward_skew_s": backward_skew or 0.0,
         "link_load": load,
         "buckets": [{"index": b["index"], "elements": sum(torch.Size(s).numel() for s in b["shapes"]),
                      "bytes": sum(torch.Size(s).numel() for s in b["shapes"]) * b["dtype"].itemsize,
@@ -446,9 +447,10 @@ def explain(decision: dict | None, spec: str) -> str:
              f"{'bucket':>6} {'MB':>8} " + " ".join(f"{o + ' ms':>16}" for o in options) + "  choice"]
     if decision.get("plain_window_s") is not None:
         lines.insert(1, f"collectives taken at {decision['link_load']:.2f}x their probes' times, as the warm-up's "
-                        f"plain steps spent {decision['plain_window_s'] * 1e3:.2f} ms beyond backward, "
-                        f"{decision.get('backward_skew_s', 0.0) * 1e3:.2f} ms of it waiting for the last rank "
-                        f"through backward (added to each predicted step below)")
+                        f"plain steps spent {decision['plain_window_s'] * 1e3:.2f} ms beyond the last rank's "
+                        f"backward; the first rank through backward waited "
+                        f"{decision.get('backward_skew_s', 0.0) * 1e3:.2f} ms for the last (every option alike: not "
+                        f"in the predictions below)")
     for bucket in decision["buckets"]:
         times = " ".join(f"{sum(bucket['predicted_s'][o]) * 1e3:16.2f}" for o in options)
         lines.append(f"{bucket['index']:>6} {bucket['bytes'] / 1e6:8.2f} {times}  {bucket['choice']}")
