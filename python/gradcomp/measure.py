@@ -304,8 +304,8 @@ def combine(model: CostModel, ready: list[float] | None, buckets: int, group, de
     every rank holds the same numbers. windows: per warm-up step (the same steps on every rank), this rank's
     (plain window, compute before it: WarmupTimings.computes), either None where not measured. Returns (model,
     ready, measured, window, skew): ready None where any rank lacks it; window the median over the steps with a
-    window on every rank of the least rank's window (None where none had one): the last rank through backward's, as
-    every rank leaves the step together (its last allreduce ends once every rank's part is in), so the
+    window on every rank of the least of the ranks' windows (None where none had one): the last rank's through
+    backward, as every rank leaves the step together (its last allreduce ends once every rank's part is in), so the
     communication beyond the slowest rank's backward; skew, over the steps whose window and compute were measured on
     every rank, the median of the ranks' spread of the compute, no more than that of the windows (how long a rank
     through backward early waits for the last: the rest of the windows' spread is the collectives' own, uneven

@@ -28,10 +28,10 @@ The model
     load: the warm-up's plain steps, whose allreduces are of the real buckets, show what a step adds to the probes.
         Every rank leaves a step together (its last allreduce ends once every rank's part is in), so the least of
         the ranks' windows (a rank's last bucket's hook call to its last allreduce's completion) is the last rank's
-        through backward: the plain queue beyond the slowest rank's backward. Collectives run slower there than their probes
-        alone where the cores are shared with backward and the other ranks, or uneven between the ranks: every
-        collective's time is taken at the factor, link_load, that makes the plain queue end where that window did
-        (the kernels' dry-run times as measured).
+        through backward: the plain queue beyond the slowest rank's backward. Collectives run slower there than
+        their probes alone where the cores are shared with backward and the other ranks, or uneven between the
+        ranks: every collective's time is taken at the factor, link_load, that makes the plain queue end where that
+        window did (the kernels' dry-run times as measured).
     skew: how long a rank through backward early waits for the last one (the ranks' spread of the time from the step
         before's end to their last hook call, no more than the windows' spread), reported beside the predictions and
         not in them: every option's step waits it, and it is the ranks' compute, not communication.
