@@ -81,12 +81,11 @@ class ExposedWindow:
     """A step's communication as the cost model counts it, on this rank, read around whichever hook runs: from where
     this rank's backward would have called its last bucket's hook had no hook held it up (the last call less the
     time spent inside the calls before it: the encodes, run on backward's thread) to the completion of the last
-    bucket's future. The last rank through backward has the least of it (every rank leaves the step together), and
-    that is the figure a step shows (time_round); `windows` keeps each step's plain window (the last call to the
-    last completion) beside it."""
+    bucket's future. The last rank through backward has the least of it (every rank leaves the step together): the
+    figure a step shows (time_round)."""
 
     def __init__(self):
-        self.called, self.held, self.done, self.windows = [], [], [], []
+        self.called, self.held, self.done = [], [], []
 
     def around(self, hook):
         def timed(state, bucket):
@@ -103,15 +102,15 @@ class ExposedWindow:
 
         return timed
 
-    def take(self) -> float:
+    def take(self) -> tuple[float, float]:
+        """(exposed, window): the window runs from the last call to the last completion."""
         if self.done:
             window = max(self.done) - max(self.called)
             exposed = window + sum(self.held) - self.held[-1]  # the last call's time is inside its window
         else:
             window = exposed = 0.0
-        self.windows.append(window)
         self.called, self.held, self.done = [], [], []
-        return exposed
+        return exposed, window
 
 
 class Configuration:
@@ -136,7 +135,7 @@ class Configuration:
             self.ddp.register_comm_hook(self.state, self.window.around(gradcomp.hook))
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.01)
         self.x, self.y = batch(torch.Generator().manual_seed(rank))
-        self.times, self.exposed = [], []
+        self.times, self.exposed, self.windows = [], [], []
 
     def step(self) -> None:
         loss = nn.functional.cross_entropy(self.ddp(self.x), self.y)
@@ -151,17 +150,18 @@ class Configuration:
         while self.state is not None and self.state.deciding:  # the policy's trial: its steps are not timed here
             self.step()
             self.window.take()
-        self.window.windows.clear()
 
     def timed_step(self) -> None:
         dist.barrier()
         started = time.perf_counter()
         self.step()
         self.times.append(time.perf_counter() - started)
-        self.exposed.append(self.window.take())
+        exposed, window = self.window.take()
+        self.exposed.append(exposed)
+        self.windows.append(window)
 
     def result(self) -> dict:
-        result = {"times": self.times, "exposed": self.exposed, "windows": self.window.windows}
+        result = {"times": self.times, "exposed": self.exposed, "windows": self.windows}
         if self.state is not None:
             stats = self.state.stats()
             result["schemes"], result["decision"] = stats["schemes"], stats["decision"]
