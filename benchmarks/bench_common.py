@@ -91,7 +91,8 @@ def write_results(stem: str, report: dict, rows: list[dict]) -> None:
 
 
 def shaping_problem() -> str | None:
-    """Why this process cannot set up network namespaces and tc rate limits, or None."""
+    """Why this process cannot set up network namespaces and tc rate limits, or None. Root is not enough: a
+    container's root may lack the capabilities, so a namespace with a shaped veth is made and removed to see."""
     if not sys.platform.startswith("linux"):
         return "network namespaces and tc are Linux features"
     if os.geteuid() != 0:
@@ -99,6 +100,19 @@ def shaping_problem() -> str | None:
     missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
     if missing:
         return f"{' and '.join(missing)} not found (Debian: apt-get install iproute2)"
+    probe = f"gcprobe{os.getpid() % 100000}"
+    steps = [["ip", "netns", "add", probe],
+             ["ip", "link", "add", f"{probe}v", "type", "veth", "peer", "name", "eth0", "netns", probe],
+             ["ip", "netns", "exec", probe, "tc", "qdisc", "add", "dev", "eth0", "root", "tbf", "rate", "1gbit",
+              "burst", "128kb", "latency", "100ms"]]
+    try:
+        for step in steps:
+            done = subprocess.run(step, capture_output=True, text=True)
+            if done.returncode != 0:
+                return f"this machine refused `{' '.join(step[:4])}`: {done.stderr.strip() or done.returncode}"
+    finally:
+        subprocess.run(["ip", "link", "del", f"{probe}v"], capture_output=True)
+        subprocess.run(["ip", "netns", "del", probe], capture_output=True)
     return None
 
 

@@ -54,13 +54,15 @@ def measure(rank: int, kind: str, spec: str | None, args) -> dict:
     """Bytes this rank's eth0 sent per backward (the barriers' bytes taken out), and gradcomp's stats per step. The
     layers stay unsharded from forward to backward (reshard_after_forward=False), so a backward sends the
     reduce-scatters and nothing else."""
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, fully_shard
     import gradcomp.fsdp
     model = make_model(args.width)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))  # fully_shard's default: the accelerator, if any
     for layer in model:
         if isinstance(layer, nn.Linear):
-            fully_shard(layer, reshard_after_forward=False)
-    fully_shard(model, reshard_after_forward=False)
+            fully_shard(layer, mesh=mesh, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False)
     state = None
     if kind == "gradcomp":
         state = gradcomp.fsdp.register(model, spec, start_iter=0)  # the codec's bytes from the first step

@@ -627,6 +627,10 @@ def make_timer(device: torch.device, quick: bool) -> Timer:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.device == "cpu":
+        # Hide any GPU from a CPU run (before anything asks CUDA): torch's powerSGD_hook, in the hook step, synchronizes
+        # CUDA wherever it is available, CPU tensors or not ("Expected a cuda device, but got: cpu").
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
     device = resolve_device(args.device)
     torch.set_num_threads(args.threads)
     timer = make_timer(device, args.quick)

@@ -244,14 +244,16 @@ def validation_loss(model: nn.Module, val: torch.Tensor, config: Config, world: 
     return (total[0] / total[1]).item()
 
 
-def sharded(model: Transformer, spec: str):
-    """--fsdp: every block and then the whole model under FSDP2 (fully_shard), and gradcomp.fsdp's reduce-scatter;
-    returns (the model to call, the state)."""
+def sharded(model: Transformer, spec: str, device: torch.device):
+    """--fsdp: every block and then the whole model under FSDP2 (fully_shard) on the run's device, and
+    gradcomp.fsdp's reduce-scatter; returns (the model to call, the state)."""
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     import gradcomp.fsdp
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))  # not fully_shard's default: the accelerator's
     for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return model, gradcomp.fsdp.register(model, spec)
 
 
@@ -261,7 +263,7 @@ def train_one(corpus: dict, config: Config, spec: str, seed: int, world: int, ra
     torch.manual_seed(seed)
     model = Transformer(corpus["vocab_size"], config).to(device)
     if fsdp:
-        ddp, state = sharded(model, spec)
+        ddp, state = sharded(model, spec, device)
         optimizer = make_optimizer(model, config)  # on the sharded parameters
     else:
         optimizer = make_optimizer(model, config)  # first: lm_variants.py's optimizers hand the hook what it needs

@@ -167,6 +167,9 @@ def rank_main(rank: int, world: int, port: int, args, out_path: str):
 
 def worker(args) -> None:
     """Runs every hook on args.nprocs local ranks (on whatever loopback this process sees)."""
+    # The ranks run on the CPUs: hide any GPU from them, since torch's powerSGD_hook synchronizes CUDA wherever it is
+    # available, CPU tensors or not ("Expected a cuda device, but got: cpu").
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
     mp.spawn(finish_spawned_rank, args=(rank_main, args.nprocs, find_free_port(), args, args.worker_out),
              nprocs=args.nprocs, join=True)
 

@@ -220,7 +220,8 @@ suite() {
   if [ "$has_gpu" = true ]; then
     note "all but test_cuda.py, which gpu-tests ran"
     # One line per test (run_pytest's -q, less two): a run a short lease cuts off still names its failures. The
-    # whole suite took over 330 s on an H200's 16 cores with 8 workers: give it a call of its own there.
+    # whole suite needs over 6 minutes on an H200's 16 cores even with 14 workers (97% in about 360 s): give it a
+    # call of its own there (GPU_CHECK_STAGES=build,suite GPU_CHECK_JOBS=14).
     args+=(-v -v)
   else
     # Without a GPU, what this build changes is the extension (built with CUDA) and the torch it runs

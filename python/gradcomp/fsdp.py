@@ -33,7 +33,8 @@ What it costs and keeps:
   the one host-device sync): a mismatch raises on all of them.
 - PowerSGD needs each parameter's matrix shape, which the flat buffer does not give: it is refused.
 Needs FSDP2's FSDPModule.set_custom_reduce_scatter and set_force_sum_reduction_for_comms (public methods whose
-protocol lives in a private module): register looks for them and names what is missing. Tested with torch 2.13.
+protocol lives in a private module): register looks for them and names what is missing. Tested with torch 2.11 and
+2.13.
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ def register(model: torch.nn.Module, spec: str = "topk", *, replicate_group: dis
     ends (the sender's, the size of the shard, and the owner's of its chunk)."""
     if FSDPModule is None or not all(hasattr(FSDPModule, name) for name in SEAM):
         raise RuntimeError(f"gradcomp.fsdp needs FSDP2's custom reduce-scatter (FSDPModule.{SEAM[0]} and "
-                           f"{SEAM[1]}, tested with torch 2.13), which torch {torch.__version__} lacks")
+                           f"{SEAM[1]}, tested with torch 2.11 and 2.13), which torch {torch.__version__} lacks")
     modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
     if not modules:
         raise TypeError(f"gradcomp.fsdp.register takes a model sharded by fully_shard, and {type(model).__name__} "
@@ -89,13 +90,13 @@ def register(model: torch.nn.Module, spec: str = "topk", *, replicate_group: dis
         if getattr(module, "_gradcomp_fsdp", None) is not None:
             raise RuntimeError(f"gradcomp.fsdp: module {index} ({type(module).__name__}) has gradcomp's "
                                f"reduce-scatter already")
-        groups = getattr(module._get_fsdp_state(), "_fsdp_param_groups", None) or []
+        groups = _param_groups(index, module)
         if len(groups) > 1:
             raise ValueError(f"gradcomp.fsdp: module {index} ({type(module).__name__}) has {len(groups)} parameter "
                              f"groups (per-parameter meshes, shard_placement_fn); gradcomp's reduce-scatter takes one "
                              f"flat buffer per module: shard it without per-parameter meshes")
         _check_gradient_dtypes(index, module, groups)
-        if replicate_group is not None and any(getattr(group, "_is_hsdp", False) for group in groups):
+        if replicate_group is not None and any(group._is_hsdp for group in groups):
             raise ValueError(f"gradcomp.fsdp: module {index} is sharded on a 2-D mesh (FSDP's own HSDP, whose "
                              f"all-reduce across replicas runs before any hook): for a compressed one, fully_shard "
                              f"on the 1-D shard mesh (mesh['shard']) and pass replicate_group")
@@ -449,6 +450,19 @@ class FSDPCompression:
         self._verified = []
         self.total = {**self.total, **saved["total"]}
         self.world_size = saved["config"].get("world_size")
+
+
+def _param_groups(index: int, module) -> list:
+    """The module's FSDP parameter groups, whose dtypes and meshes register checks: a list in torch 2.13 (per-parameter
+    meshes), one group or None in torch 2.11. A torch that keeps them elsewhere is refused, not let through
+    unchecked."""
+    state = module._get_fsdp_state()
+    if hasattr(state, "_fsdp_param_groups"):
+        return list(state._fsdp_param_groups)
+    if hasattr(state, "_fsdp_param_group"):
+        return [] if state._fsdp_param_group is None else [state._fsdp_param_group]
+    raise RuntimeError(f"gradcomp.fsdp: cannot find the FSDP parameter groups of module {index} "
+                       f"({type(module).__name__}) in torch {torch.__version__} (tested with torch 2.11 and 2.13)")
 
 
 def _check_gradient_dtypes(index: int, module, groups) -> None:

@@ -18,6 +18,7 @@ OPTIONAL = {
     "accelerate": "pip install accelerate",
     "transformers": "pip install transformers",
     "mnist1d": "pip install mnist1d",
+    "tokenizers": "pip install tokenizers",
     "bible": "apt-get install bible-kjv",
 }
 PROGRAMS = {"bible"}

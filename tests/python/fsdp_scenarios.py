@@ -1,4 +1,5 @@
-"""Scenarios of gradcomp.fsdp on several gloo ranks (run by ddp_harness): FSDP2 (fully_shard) on the CPU."""
+"""Scenarios of gradcomp.fsdp on several gloo ranks (run by ddp_harness): FSDP2 (fully_shard) on the CPU, also where
+a GPU is there (fully_shard without a mesh would take the accelerator's)."""
 
 from __future__ import annotations
 
@@ -15,15 +16,22 @@ from ddp_scenarios import batch
 FEATURES, CLASSES = 24, 5
 
 
+def cpu_mesh():
+    """Every rank on the CPU: fully_shard's default mesh is on the accelerator wherever there is one."""
+    from torch.distributed.device_mesh import init_device_mesh
+    return init_device_mesh("cpu", (dist.get_world_size(),))
+
+
 def make_model() -> nn.Module:
     """Three Linear layers, each its own FSDP module, and the root (which then holds no parameter of its own). 45
     and 41 outputs: sizes no world size here divides, so FSDP pads the rows."""
     torch.manual_seed(1234)
     model = nn.Sequential(nn.Linear(FEATURES, 45), nn.Tanh(), nn.Linear(45, 41), nn.Tanh(), nn.Linear(41, CLASSES))
+    mesh = cpu_mesh()
     for layer in model:
         if isinstance(layer, nn.Linear):
-            fully_shard(layer)
-    fully_shard(model)
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return model
 
 
@@ -173,7 +181,7 @@ def refusals(rank, world):
 
     def one_module(*layers):
         model = nn.Sequential(*layers)
-        fully_shard(model)
+        fully_shard(model, mesh=cpu_mesh())
         return model
 
     out = {}

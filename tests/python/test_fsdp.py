@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -132,6 +133,26 @@ def test_refusals_name_what_is_wrong_and_what_to_do(monkeypatch):
     saved = gradcomp.fsdp.FSDPCompression("topk").state_dict()
     with pytest.raises(ValueError, match="codec: saved 'topk:error_feedback=True,ratio=0.01', now 'signsgd"):
         gradcomp.fsdp.FSDPCompression("signsgd").load_state_dict(saved)
+
+
+def test_the_parameter_groups_are_read_in_either_torchs_layout():
+    """torch 2.13 keeps a module's FSDP parameter groups in a list, torch 2.11 one group (or None): register's dtype and
+    mesh checks read both (on torch 2.11 they had found no group and checked nothing), and a layout with neither is
+    refused rather than let through unchecked."""
+    class Module:
+        def __init__(self, state):
+            self.state = state
+
+        def _get_fsdp_state(self):
+            return self.state
+
+    first, second = object(), object()
+    both = Module(SimpleNamespace(_fsdp_param_groups=[first, second]))
+    assert gradcomp.fsdp._param_groups(0, both) == [first, second]
+    assert gradcomp.fsdp._param_groups(0, Module(SimpleNamespace(_fsdp_param_group=first))) == [first]
+    assert gradcomp.fsdp._param_groups(0, Module(SimpleNamespace(_fsdp_param_group=None))) == []
+    with pytest.raises(RuntimeError, match=r"cannot find the FSDP parameter groups of module 3 \(Module\) in torch"):
+        gradcomp.fsdp._param_groups(3, Module(SimpleNamespace()))
 
 
 def test_refusals_on_live_ranks():
