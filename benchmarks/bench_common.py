@@ -92,7 +92,7 @@ def write_results(stem: str, report: dict, rows: list[dict]) -> None:
 
 def shaping_problem() -> str | None:
     """Why this process cannot set up network namespaces and tc rate limits, or None. Root is not enough: a
-    container's root may lack the capabilities, so a namespace with a shaped veth is made and removed to see."""
+    container's root may lack the capabilities, so Namespaces makes and removes one shaped namespace to see."""
     if not sys.platform.startswith("linux"):
         return "network namespaces and tc are Linux features"
     if os.geteuid() != 0:
@@ -100,19 +100,12 @@ def shaping_problem() -> str | None:
     missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
     if missing:
         return f"{' and '.join(missing)} not found (Debian: apt-get install iproute2)"
-    probe = f"gcprobe{os.getpid() % 100000}"
-    steps = [["ip", "netns", "add", probe],
-             ["ip", "link", "add", f"{probe}v", "type", "veth", "peer", "name", "eth0", "netns", probe],
-             ["ip", "netns", "exec", probe, "tc", "qdisc", "add", "dev", "eth0", "root", "tbf", "rate", "1gbit",
-              "burst", "128kb", "latency", "100ms"]]
     try:
-        for step in steps:
-            done = subprocess.run(step, capture_output=True, text=True)
-            if done.returncode != 0:
-                return f"this machine refused `{' '.join(step[:4])}`: {done.stderr.strip() or done.returncode}"
-    finally:
-        subprocess.run(["ip", "link", "del", f"{probe}v"], capture_output=True)
-        subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+        with Namespaces("gcprobe", 1, "10.254.254", "1gbit"):
+            pass
+    except subprocess.CalledProcessError as refused:
+        said = (refused.stderr or "").strip() or refused.returncode
+        return f"this machine refused `{' '.join(refused.cmd[:4])}`: {said}"
     return None
 
 
@@ -129,7 +122,8 @@ class Namespaces:
         return f"{self.prefix}-{i}"
 
     def __enter__(self):
-        run = lambda *cmd: subprocess.run(cmd, check=True)  # noqa: E731
+        # captured: a refusal's CalledProcessError carries what the machine said (shaping_problem names it)
+        run = lambda *cmd: subprocess.run(cmd, check=True, capture_output=True, text=True)  # noqa: E731
         try:
             run("ip", "link", "add", self.bridge, "type", "bridge")
             run("ip", "link", "set", self.bridge, "up")
