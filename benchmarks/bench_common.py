@@ -8,9 +8,11 @@ import json
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import torch
@@ -117,6 +119,7 @@ class Namespaces:
     def __init__(self, prefix: str, count: int, subnet: str, rate: str | None):
         self.prefix, self.count, self.subnet, self.rate = f"{prefix}{os.getpid() % 100000}", count, subnet, rate
         self.bridge = f"{self.prefix}br"
+        self.previous_sigterm = None
 
     def namespace(self, i: int) -> str:
         return f"{self.prefix}-{i}"
@@ -124,6 +127,7 @@ class Namespaces:
     def __enter__(self):
         # captured: a refusal's CalledProcessError carries what the machine said (shaping_problem names it)
         run = lambda *cmd: subprocess.run(cmd, check=True, capture_output=True, text=True)  # noqa: E731
+        self.previous_sigterm = exit_on_sigterm()
         try:
             run("ip", "link", "add", self.bridge, "type", "bridge")
             run("ip", "link", "set", self.bridge, "up")
@@ -150,6 +154,22 @@ class Namespaces:
             subprocess.run(["ip", "link", "del", f"{self.prefix}v{i}"], check=False, stderr=subprocess.DEVNULL)
             subprocess.run(["ip", "netns", "del", self.namespace(i)], check=False, stderr=subprocess.DEVNULL)
         subprocess.run(["ip", "link", "del", self.bridge], check=False, stderr=subprocess.DEVNULL)
+        if self.previous_sigterm is not None:
+            signal.signal(signal.SIGTERM, self.previous_sigterm)
+            self.previous_sigterm = None
+
+
+def exit_on_sigterm():
+    """Makes SIGTERM (a kill, a job's time limit) raise SystemExit, so that the process leaves through its with-blocks
+    and what they made is removed; by default it dies on the spot, and namespaces outlive it. Returns the handler it
+    replaced (None off the main thread, where Python takes no signal handlers)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def leave(signum, _frame):
+        raise SystemExit(128 + signum)
+
+    return signal.signal(signal.SIGTERM, leave)
 
 
 def run_in_namespaces(prefix: str, world: int, subnet: str, rate: str | None, script: str, port: int,

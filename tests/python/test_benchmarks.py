@@ -2,8 +2,12 @@
 
 import json
 import math
+import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 import torch
@@ -117,6 +121,34 @@ def test_shaping_is_tried_not_assumed_from_root(monkeypatch):
     refuse = None
     assert common.shaping_problem() is None
     assert any(c[:3] == ["ip", "netns", "exec"] and "tbf" in c for c in calls)  # the rate limit was tried too
+
+
+@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(),
+                    reason="signal handlers are the main thread's")
+def test_a_terminated_benchmark_removes_its_namespaces(monkeypatch):
+    """A kill (SIGTERM: a job's time limit, a user stopping a run) used to end the process on the spot, its
+    namespaces and bridge left behind; inside Namespaces it raises SystemExit, the with-block removes what it made,
+    and the handler before it is back after."""
+    common = load_benchmark("bench_common.py")
+    calls = []
+
+    def run(command, check=False, **_):
+        calls.append(list(command))
+        return subprocess.CompletedProcess(command, 0, "", "")
+
+    monkeypatch.setattr(common.subprocess, "run", run)
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as ended:
+        with common.Namespaces("gct", 2, "10.254.253", "1gbit") as links:
+            made = len(calls)
+            assert signal.getsignal(signal.SIGTERM) is not before  # else the kill below ends pytest itself
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the handler runs at the next bytecode: never reached
+    assert ended.value.code == 128 + signal.SIGTERM
+    removed = calls[made:]
+    assert ["ip", "netns", "del", links.namespace(0)] in removed and ["ip", "netns", "del", links.namespace(1)] in removed
+    assert ["ip", "link", "del", links.bridge] in removed
+    assert signal.getsignal(signal.SIGTERM) == before
 
 
 @needs_shaping
