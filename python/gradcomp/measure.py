@@ -1,7 +1,7 @@
 """What policy="time" measures on the job (gradcomp.policy reads it): the plain warm-up steps' timings (backward's
-progress, the plain allreduces, each step's start), probes of each collective kind (measure_links), the codec's
-kernels (measure_kernels, for the planner) and each option's plan launched with local collectives (DryStep,
-time_plan); and the one allreduce that gives every rank the slowest rank's figures (combine)."""
+progress, the plain allreduces, each step's start, the hook's own time per call), probes of each collective kind
+(measure_links), the codec's kernels (measure_kernels, for the planner) and each option's plan launched with local
+collectives (DryStep, time_plan); and the one allreduce that gives every rank the slowest rank's figures (combine)."""
 
 from __future__ import annotations
 
@@ -53,6 +53,17 @@ class WarmupTimings:
         self.steps: dict[int, list] = {}  # step -> [(bucket index, mark)] in launch order
         self.allreduces: dict[int, list] = {}  # step -> per launched allreduce, [its completion's mark] once done
         self.starts: dict[int, Any] = {}  # step -> the mark of its first bucket's hook call
+        self.hook_calls: list[float] = []  # host seconds of each plain hook call beyond its allreduce's launch
+
+    def hook_called(self, seconds: float) -> None:
+        """A plain warm-up call of the hook took `seconds` on backward's thread beyond launching its allreduce: the
+        hook's own work (its step, stats and checks), which a compressed call does too, beyond its plan's launch."""
+        self.hook_calls.append(seconds)
+
+    def hook_seconds(self) -> float:
+        """The median of the hook's own seconds per call over the warm-up (0 where none was timed: on a GPU the host
+        runs ahead of the device, and its work costs the step nothing)."""
+        return statistics.median(self.hook_calls) if self.hook_calls else 0.0
 
     def bucket_called(self, step: int, index: int, device: torch.device) -> None:
         if self.clock is None:

@@ -8,8 +8,11 @@ The model
         alpha + beta x bytes line); taken at the load below;
     compute: each option's plan launched on the gradient in hand (tiled to the bucket's size) with local collectives
         (gradcomp.measure's DryStep), timed per bucket shape on this device and dtype: the codec's kernels and all
-        the hook does around them, split at the first collective into encode and decode (the planner, gradcomp.plan,
-        uses per-element kernel costs instead, measured or stated);
+        the plan does around them, split at the first collective into encode and decode (the planner, gradcomp.plan,
+        uses per-element kernel costs instead, measured or stated); and the hook's own work per call (its step,
+        stats and checks: the "hook" kernel), which the warm-up's plain calls show beyond their allreduce's launch
+        (host seconds on the CPU; none on a GPU, where the host runs ahead of the device), added to each compressed
+        option's encode: backward's offsets below hold it for the plain calls, a dry run does not;
     overlap with backward: DDP launches bucket i when backward has produced it, at offset r_i after the first (the
         warm-up steps' hook calls). Collectives go one at a time in launch order (where the backend runs several at
         once they share the link, which ends the last of them no sooner); a bucket's encode runs on the
@@ -45,9 +48,9 @@ DDP, nor slower than any option fixed for every bucket by more than MARGIN (with
 is kept in the state (a resumed run repeats it) and taken anew every `remeasure_every` steps where that is set.
 Then the run tries the model's shortlist for a few steps each and keeps the fastest measured, compression only
 where its gain over plain is clear of the rounds' scatter (gradcomp.trial; trial_steps=0 leaves the model's choice).
-Known limits (benchmarks/README.md, policy.py): the hook's per-step work on busy cores is not in the dry runs, and
-compute on the collectives' callbacks is taken to hold the link; the load is one factor for every collective,
-measured on the plain allreduces only.
+Known limits (benchmarks/README.md, policy.py): compute on the collectives' callbacks is taken to hold the link, not
+to slow backward or the encodes beside it (where a rank has one core to itself, it does); the load is one factor
+for every collective, measured on the plain allreduces only.
 On a GPU every time is a pair of CUDA events, read at the decision and at each of the trial's verdicts (one sync
 each), none per step.
 """
@@ -301,8 +304,12 @@ def candidates(codec, scheme_option: str, two_levels: bool) -> list[str]:
 def option_costs(model: CostModel, options, codec, shapes, dtype: torch.dtype, world: int, node_size,
                  measured: dict | None = None) -> dict:
     """Each option's Cost for a bucket of these shapes. measured: {option: (encode, middle, decode)} seconds of the
-    plan's own launch (time_plan), which then stand for the kernels (the model's kernels are left out: zero)."""
+    plan's own launch (time_plan), which then stand for the kernels (the model's kernels are left out: zero). The
+    model's "hook" kernel, the hook's own seconds per call beyond what it launches, is added to every compressed
+    option's encode: the warm-up's plain calls, whose time is in backward's offsets, took it too, but a plan's dry run
+    does not."""
     numel = sum(torch.Size(s).numel() for s in shapes)
+    hook = model.kernel("hook", 0)
     if measured:
         model = CostModel(model.links, {})
 
@@ -312,7 +319,7 @@ def option_costs(model: CostModel, options, codec, shapes, dtype: torch.dtype, w
         if measured and o in measured:
             encode, middle, decode = measured[o]
             c = Cost(c.encode + encode, c.wire, c.decode + decode, c.middle + middle, c.second, c.held)
-        return c
+        return c if o == "plain" else Cost(c.encode + hook, *c.parts()[1:])
 
     return {o: cost(o) for o in options}
 
@@ -451,6 +458,10 @@ def explain(decision: dict | None, spec: str) -> str:
                         f"backward; the first rank through backward waited "
                         f"{decision.get('backward_skew_s', 0.0) * 1e3:.2f} ms for the last (every option alike: not "
                         f"in the predictions below)")
+    hook = CostModel.from_dict(decision["model"]).kernel("hook", 0)
+    if hook:
+        lines.insert(1, f"each compressed bucket's hook call takes {hook * 1e3:.2f} ms beyond its plan's launch, as "
+                        f"the warm-up's plain calls took beyond their allreduce's")
     for bucket in decision["buckets"]:
         times = " ".join(f"{sum(bucket['predicted_s'][o]) * 1e3:16.2f}" for o in options)
         lines.append(f"{bucket['index']:>6} {bucket['bytes'] / 1e6:8.2f} {times}  {bucket['choice']}")

@@ -13,6 +13,7 @@ import gc
 import json
 import logging
 import statistics
+import time
 import warnings
 import weakref
 from typing import Any
@@ -242,6 +243,7 @@ class CompressionState(StateCheckpoints):
     # -- the hook --------------------------------------------------------------------------------------------------
 
     def communicate(self, bucket: dist.GradBucket) -> torch.futures.Future:
+        entered, launch_seconds = time.perf_counter(), None
         try:
             self._meet_model(bucket)
             if not self._verified:
@@ -265,7 +267,9 @@ class CompressionState(StateCheckpoints):
                 future = self._plain(step, buffer)
             elif starting and self.start_codec is None:
                 completed = self._timings.allreduce_launched(self.iter) if timed else None
+                launched = time.perf_counter()
                 future = self._plain_as_recorded(step, bucket, buffer)
+                launch_seconds = time.perf_counter() - launched
                 if completed is not None:
                     future = future.then(lambda done: (completed(), done.value())[1])
             elif starting:
@@ -292,6 +296,8 @@ class CompressionState(StateCheckpoints):
             raise
         if bucket.is_last():
             self._end_step()
+        if timed and launch_seconds is not None and buffer.device.type == "cpu":
+            self._timings.hook_called(time.perf_counter() - entered - launch_seconds)
         return future
 
     def _ddp_model(self):
@@ -528,8 +534,11 @@ class CompressionState(StateCheckpoints):
             windows = None
         node_size = self._nodes.node_size if two_levels else None
         measured = self._time_plans(step, buffer, buckets, [o for o in options if o != "plain"], clock)
-        model, ready, measured, window, skew = measure.combine(time_policy.CostModel(links, {}), ready, len(buckets),
-                                                               step.group, buffer.device, measured, windows)
+        hook = self._timings.hook_seconds() if self._decision is None else \
+            time_policy.CostModel.from_dict(self._decision["model"]).kernel("hook", 0)  # re-measured: as the warm-up
+        model, ready, measured, window, skew = measure.combine(
+            time_policy.CostModel(links, {"hook": time_policy.Line(hook, 0.0)}), ready, len(buckets), step.group,
+            buffer.device, measured, windows)
         if self._decision is not None:
             window, skew = self._decision.get("plain_window_s"), self._decision.get("backward_skew_s")
         self._decision = time_policy.decide(model, ready, buckets, self.codec, self.scheme, step.world, node_size,

@@ -191,6 +191,32 @@ def test_the_options_costs_follow_the_bytes_each_scheme_sends():
     assert (cost.wire, cost.second) == (4 * (256 * 4 + 512), 4 * (512 * 4))  # P with the whole bias, then Q
 
 
+def test_the_hooks_own_time_per_call_is_added_to_each_compressed_options_encode_not_to_plains():
+    """The warm-up's plain hook calls held backward's thread for the hook's own work too (their time is in backward's
+    offsets), a plan's dry run does not: the model's "hook" seconds go on each compressed option's encode, once per
+    bucket, measured kernels or not, and never on plain's."""
+    links = {f"world/{kind}": Line(0.0, 1e-9) for kind in time_policy.KINDS}
+    codec, shapes, options = gradcomp.codec("signsgd"), [(1000,)], ["plain", "allgather", "two-phase"]
+    for measured in ({"allgather": (1e-3, 0.0, 2e-3), "two-phase": (1e-3, 5e-4, 2e-3)}, None):
+        kernels = {} if measured else {"encode": Line(1e-4, 1e-9), "decode": Line(2e-4, 1e-9)}
+        alone = time_policy.option_costs(CostModel(links, kernels), options, codec, shapes, torch.float32, 2, None,
+                                         measured)
+        hooked = time_policy.option_costs(CostModel(links, {**kernels, "hook": Line(4e-4, 0.0)}), options, codec,
+                                          shapes, torch.float32, 2, None, measured)
+        assert hooked["plain"] == alone["plain"]
+        for option in ("allgather", "two-phase"):
+            assert hooked[option].encode == pytest.approx(alone[option].encode + 4e-4)
+            assert hooked[option].parts()[1:] == alone[option].parts()[1:]
+
+
+def test_the_hooks_own_time_is_the_median_of_the_warm_ups_calls():
+    timings = measure.WarmupTimings()
+    assert timings.hook_seconds() == 0.0  # none timed: a GPU's, or no warm-up step
+    for seconds in (3e-4, 1e-4, 9e-4):
+        timings.hook_called(seconds)
+    assert timings.hook_seconds() == 3e-4
+
+
 def test_the_choice_is_never_predicted_slower_than_plain_and_leaves_hidden_buckets_plain():
     ready = [0.0, 0.050, 0.100]
     cheap = {"plain": Cost(0.0, 0.010, 0.0), "allgather": Cost(0.001, 0.001, 0.001)}
@@ -274,6 +300,8 @@ def test_every_rank_takes_the_same_decision_when_their_measurements_differ(world
     decision, (low, high) = results[0]["decisions"][0], time_policy.LOAD_BOUNDS
     assert decision["plain_window_s"] > 0 and low <= decision["link_load"] <= high  # the warm-up's plain window
     assert decision["backward_skew_s"] >= 0
+    hook = decision["model"]["kernels"]["hook"]  # the warm-up's plain calls timed on these CPU ranks
+    assert hook[0] > 0 and hook[1] == 0 and "hook call takes" in results[0]["explain"]
 
 
 SCHEDULE = [["two-phase", "plain"], ["plain"], ["allgather"], ["two-phase"], ["plain", "allgather"]]
