@@ -44,9 +44,9 @@ class Clock:
 
 
 class WarmupTimings:
-    """What the plain warm-up steps show: when each bucket's hook was called (backward's progress), and when each plain
-    allreduce completed; and each step's start, there and during the trial (gradcomp.trial). Kept in memory only: a
-    decision is taken once, and saved."""
+    """What the plain warm-up steps show: when each bucket's hook was called (backward's progress), when each plain
+    allreduce completed, and how long each call took beyond launching it; and each step's start, there and during the
+    trial (gradcomp.trial). Kept in memory only: a decision is taken once, and saved."""
 
     def __init__(self):
         self.clock = None
