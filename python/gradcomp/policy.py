@@ -442,6 +442,12 @@ def decide(model: CostModel, ready: list[float] | None, buckets: list[dict], cod
     }
 
 
+def saved_hook_seconds(decision: dict) -> float:
+    """The hook's own seconds per call that a decision was taken with: its model's "hook" kernel (0 in a decision
+    saved before gradcomp measured it)."""
+    return Line(*decision["model"]["kernels"].get("hook", (0.0, 0.0))).fixed
+
+
 def explain(decision: dict | None, spec: str) -> str:
     """The decision as a table: per bucket its size, each option's predicted seconds, the choice; then each fixed
     option's and the policy's predicted exposed communication per step."""
@@ -458,7 +464,7 @@ def explain(decision: dict | None, spec: str) -> str:
                         f"backward; the first rank through backward waited "
                         f"{decision.get('backward_skew_s', 0.0) * 1e3:.2f} ms for the last (every option alike: not "
                         f"in the predictions below)")
-    hook = CostModel.from_dict(decision["model"]).kernel("hook", 0)
+    hook = saved_hook_seconds(decision)
     if hook:
         lines.insert(1, f"each compressed bucket's hook call takes {hook * 1e3:.2f} ms beyond its plan's launch, as "
                         f"the warm-up's plain calls took beyond their allreduce's")

@@ -535,7 +535,7 @@ class CompressionState(StateCheckpoints):
         node_size = self._nodes.node_size if two_levels else None
         measured = self._time_plans(step, buffer, buckets, [o for o in options if o != "plain"], clock)
         hook = self._timings.hook_seconds() if self._decision is None else \
-            time_policy.CostModel.from_dict(self._decision["model"]).kernel("hook", 0)  # re-measured: as the warm-up
+            time_policy.saved_hook_seconds(self._decision)  # re-measured: as the warm-up showed
         model, ready, measured, window, skew = measure.combine(
             time_policy.CostModel(links, {"hook": time_policy.Line(hook, 0.0)}), ready, len(buckets), step.group,
             buffer.device, measured, windows)
