@@ -18,7 +18,8 @@ Ratios are to the same link's limit. Beside each row, the spread (max - min) / m
 round's ratio to that round's limit (the figure the tables compare), and the same of its milliseconds ("of ms",
 which carries the machine's drift).
 The cost model's prediction: the policy's decision predicts each option's exposed communication per step (beyond
-the slowest rank's backward without it); measured, on each rank the time from where its backward would have called
+the slowest rank's backward without it), and after its trial again with each collective kind at the load the
+trial's own steps showed (predicted_exposed_ms; as decided: predicted_as_decided_ms); measured, on each rank the time from where its backward would have called
 the last bucket's hook had no hook held it up (the last call less the time spent inside the calls before it, the
 encodes that ran on backward's thread) to the completion of the last bucket's future, read around the hook (plain
 DDP runs as torch's allreduce hook for this); per step the least over the ranks, the last rank's through backward
@@ -168,11 +169,15 @@ class Configuration:
         return result
 
 
-def predicted_for_policy(decision: dict) -> float:
-    """The predicted exposed communication of what the policy sends after its trial: the model's choice, or the
-    option the trial kept for every bucket."""
+def predictions(decision: dict, after_trial: bool) -> dict[str, float]:
+    """Each option's predicted exposed communication, and the policy's (what it sends after its trial: the model's
+    choice, or the option the trial kept for every bucket): as decided, or after_trial with the collectives at the
+    loads the trial's own steps showed (as decided where no trial ran)."""
+    predicted = decision["predicted_exposed_s"]
+    if after_trial and decision.get("in_step"):
+        predicted = decision["in_step"]["predicted_exposed_s"]
     chosen = (decision.get("trial") or {}).get("chosen")
-    return decision["predicted_exposed_s"]["policy" if chosen in (None, "model") else chosen]
+    return {**predicted, "policy": predicted["policy" if chosen in (None, "model") else chosen]}
 
 
 def time_round(args, round_: int, model_name: str) -> list[dict]:
@@ -247,9 +252,10 @@ def table_rows(runs: dict, codecs: list[str]) -> list[dict]:
             plain = statistics.median(medians["plain DDP"])
             for spec in codecs:
                 policy = [e for e in mine if e["config"] == f"{spec} policy"]
-                predictions = [{**e["decision"]["predicted_exposed_s"], "policy": predicted_for_policy(e["decision"])}
-                               for e in policy if e["decision"]]
-                trials = [e["decision"].get("trial") or {} for e in policy if e["decision"]]  # {}: no trial
+                decisions = [e["decision"] for e in policy if e["decision"]]
+                after_trial = [predictions(d, after_trial=True) for d in decisions]
+                as_decided = [predictions(d, after_trial=False) for d in decisions]
+                trials = [d.get("trial") or {} for d in decisions]  # {}: no trial
                 fixed_labels = [label for label, s, _ in configurations([spec]) if s == spec and "policy" not in label]
                 fastest_fixed = min(statistics.median(medians[label]) for label in fixed_labels + ["plain DDP"])
                 for label in ["plain DDP", *fixed_labels, f"{spec} policy"]:
@@ -258,7 +264,8 @@ def table_rows(runs: dict, codecs: list[str]) -> list[dict]:
                     to_limit = [r / limit_r for r, limit_r in zip(rounds, limits)]  # both from the same round
                     option = ("plain" if label == "plain DDP" else "policy" if label.endswith("policy")
                               else label.rsplit(" ", 1)[1])
-                    predicted = [p[option] for p in predictions if option in p]
+                    predicted = [p[option] for p in after_trial if option in p]
+                    decided = [p[option] for p in as_decided if option in p]
                     row = {"world": world, "link": link, "model": model_name, "codec": spec, "config": label,
                            "median_ms": 1e3 * median, "rounds_ms": [1e3 * r for r in rounds],
                            "spread": spread(to_limit), "spread_ms": spread(rounds),
@@ -267,6 +274,7 @@ def table_rows(runs: dict, codecs: list[str]) -> list[dict]:
                            "measured_exposed_ms": 1e3 * statistics.median(windows[label]),
                            "step_minus_limit_ms": 1e3 * (median - limit),
                            "predicted_exposed_ms": 1e3 * statistics.median(predicted) if predicted else None,
+                           "predicted_as_decided_ms": 1e3 * statistics.median(decided) if decided else None,
                            "choices": [e["schemes"] for e in policy] if label.endswith("policy") else None,
                            "trial": [t.get("chosen") for t in trials] if label.endswith("policy") else None,
                            "trial_rounds": [t.get("rounds") for t in trials] if label.endswith("policy") else None}
@@ -288,13 +296,18 @@ def spread_columns(row: dict) -> str:
 
 def summary(rows: list[dict]) -> dict:
     policy = [r for r in rows if r["config"].endswith("policy")]
-    predicted = [r for r in rows if r["predicted_exposed_ms"] is not None and r["measured_exposed_ms"] > 0]
-    errors = [r["predicted_exposed_ms"] / r["measured_exposed_ms"] - 1 for r in predicted]
+
+    def within_25pct(key: str) -> tuple[int, int]:  # rows from before a key existed (--replot) have none
+        predicted = [r for r in rows if r.get(key) is not None and r["measured_exposed_ms"] > 0]
+        return sum(abs(r[key] / r["measured_exposed_ms"] - 1) <= 0.25 for r in predicted), len(predicted)
+
+    after_trial, as_decided = within_25pct("predicted_exposed_ms"), within_25pct("predicted_as_decided_ms")
     return {"cells": len(policy),
             "policy_within_1.05x_fastest_fixed": sum(r["vs_fastest_fixed"] <= 1.05 for r in policy),
             "policy_within_1.05x_plain": sum(r["vs_plain"] <= 1.05 for r in policy),
             "largest_spread": max((r["spread"] for r in rows), default=None),
-            "predictions_within_25pct": sum(abs(e) <= 0.25 for e in errors), "predictions": len(errors)}
+            "predictions_within_25pct": after_trial[0], "predictions": after_trial[1],
+            "predictions_as_decided_within_25pct": as_decided[0], "predictions_as_decided": as_decided[1]}
 
 
 def plot(rows: list[dict], path: str) -> None:

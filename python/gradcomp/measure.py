@@ -54,6 +54,8 @@ class WarmupTimings:
         self.allreduces: dict[int, list] = {}  # step -> per launched allreduce, [its completion's mark] once done
         self.starts: dict[int, Any] = {}  # step -> the mark of its first bucket's hook call
         self.hook_calls: list[float] = []  # host seconds of each plain hook call beyond its allreduce's launch
+        self.collectives: dict[int, list] = {}  # trial step -> [[option, kind, bytes, launch mark, completion mark]]
+        self.launches: dict[str, list] = {}  # option -> [(bucket index, host seconds of its plan's launch)] in the trial
 
     def hook_called(self, seconds: float) -> None:
         """A plain warm-up call of the hook took `seconds` on backward's thread beyond launching its allreduce: the
@@ -104,6 +106,85 @@ class WarmupTimings:
         if not offsets:
             return None
         return [statistics.median(column) for column in zip(*offsets)]
+
+    def collective_launched(self, option: str, step: int, kind: str, nbytes: int, device: torch.device):
+        """A collective of a bucket sent as `option` in the trial's step `step` (of nbytes per rank, as the cost
+        model counts them) is being issued; returns what its completion calls (on the stream that waits for it, on
+        a GPU)."""
+        if self.clock is None:
+            self.clock = Clock(device)
+        entry = [option, kind, nbytes, self.clock.mark(), None]
+        self.collectives.setdefault(step, []).append(entry)
+        return lambda: entry.__setitem__(4, self.clock.mark())
+
+    def collective_seconds(self, step: int) -> list[tuple]:
+        """The trial's timed collectives of step `step` in launch order, each (option, kind, bytes, seconds): from its
+        launch, or from the completion of the one before it where that came later (they go one at a time), to its
+        completion; seconds None for one issued before the step's last bucket's hook call (during backward: the
+        exposed time is made of those after it), or where any of the step's collectives did not complete."""
+        entries, calls = self.collectives.get(step, []), self.steps.get(step)
+        if not entries:
+            return []
+        if not calls or any(entry[4] is None for entry in entries):
+            return [(option, kind, nbytes, None) for option, kind, nbytes, _, _ in entries]
+        origin = entries[0][3]
+        at = lambda mark: self.clock.seconds(origin, mark)  # noqa: E731 - CUDA events order by elapsed time
+        backward_done, previous_end, timed = at(calls[-1][1]), -math.inf, []
+        for option, kind, nbytes, launched, completed in sorted(entries, key=lambda entry: at(entry[3])):
+            seconds = at(completed) - max(at(launched), previous_end)
+            previous_end = max(previous_end, at(completed))
+            timed.append((option, kind, nbytes, seconds if at(launched) >= backward_done else None))
+        return timed
+
+    def collective_loads(self, curves: dict) -> dict[str, dict[str, float]]:
+        """Per option and collective kind, how much slower than alone its collectives ran in the trial's steps: the
+        median over those issued after backward of each one's seconds (collective_seconds) over its probes' time at
+        its size (curves: kind -> Curve). A kind with no curve is left out. The seconds hold this rank's waits for
+        others still encoding: a rank's window holds them too (the least over the ranks is taken of the medians,
+        not of each collective: the latter left the allgathers' predictions a third short)."""
+        ratios: dict[tuple[str, str], list[float]] = {}
+        for step in self.collectives:
+            for option, kind, nbytes, seconds in self.collective_seconds(step):
+                probe = curves[kind](nbytes) if kind in curves else 0.0
+                if seconds is not None and seconds > 0 and probe > 0:
+                    ratios.setdefault((option, kind), []).append(seconds / probe)
+        loads: dict[str, dict[str, float]] = {}
+        for (option, kind), values in sorted(ratios.items()):
+            loads.setdefault(option, {})[kind] = statistics.median(values)
+        return loads
+
+    def plan_launched(self, option: str, index: int, seconds: float) -> None:
+        """A bucket's plan of `option` took `seconds` to launch (its encode, to its first collective) in a step of
+        the trial (host seconds, on the CPU only)."""
+        self.launches.setdefault(option, []).append((index, seconds))
+
+    def launch_loads(self, decision: dict) -> dict[str, float]:
+        """Per option, the median over its buckets' launches in the trial of each one's seconds over the decision's
+        encode for that bucket less the hook's own time (the plan's dry run): how much slower its encodes ran in the
+        step than alone (the caches cold, the cores shared)."""
+        hook = Line(*decision["model"]["kernels"].get("hook", (0.0, 0.0))).fixed
+        encodes = {option: {b["index"]: b["predicted_s"][option][0] - hook for b in decision["buckets"]
+                            if option in b["predicted_s"]} for option in self.launches}
+        loads = {}
+        for option, launches in self.launches.items():
+            ratios = [seconds / encodes[option][index] for index, seconds in launches
+                      if encodes[option].get(index, 0.0) > 0]
+            if ratios:
+                loads[option] = statistics.median(ratios)
+        return loads
+
+    def trial_windows(self, steps) -> dict[int, float]:
+        """Per step given (the trial's steps of the candidate that sends every bucket plain) whose collectives all
+        completed, from its last bucket's hook call to its last collective's completion: the plain window, as
+        plain_windows reads the warm-up's."""
+        windows = {}
+        for step in steps:
+            calls, entries = self.steps.get(step), self.collectives.get(step)
+            if not calls or not entries or any(entry[4] is None for entry in entries):
+                continue
+            last_call = calls[-1][1]
+            windows[step] = max(0.0, max(self.clock.seconds(last_call, entry[4]) for entry in entries))
+        return windows
 
     def _last_completion(self, step: int):
         """The mark of step's last allreduce completion; None unless every allreduce it launched completed."""
@@ -307,6 +388,31 @@ def needed_links(options, codec) -> dict[str, list[str]]:
         summable = isinstance(codec, PowerSGD) or codec.collective == "allreduce"
         needed["across"] = ["allreduce"] if summable else ["all-gather", "all-to-all"]
     return needed
+
+
+def least_over_ranks(figures: dict[str, float], names: list[str], group, device: torch.device) -> dict[str, float]:
+    """Per name (of those given, in one order on every rank), the least of the ranks' figures (one allreduce, alike on
+    every rank); a name that any rank lacks is left out."""
+    values = [x for name in names for x in ((-figures[name], 0.0) if name in figures else (0.0, 1.0))]  # MAX of -x
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    if names and dist.get_world_size(group) > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    values = tensor.cpu().tolist()
+    return {name: -values[2 * i] for i, name in enumerate(names) if not values[2 * i + 1]}
+
+
+def last_ranks_window(windows: dict[int, float], steps: list[int], group, device: torch.device) -> float | None:
+    """The median over `steps` (the same on every rank) of the least of the ranks' windows there (one allreduce), the
+    last rank's through backward (see combine); None where no step has a window on every rank."""
+    values = [x for step in steps for x in ((-windows[step], 0.0) if step in windows else (0.0, 1.0))]  # MAX of -x
+    if not values:
+        return None
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    values = tensor.cpu().tolist()
+    least = [-values[2 * i] for i in range(len(steps)) if not values[2 * i + 1]]
+    return statistics.median(least) if least else None
 
 
 def combine(model: CostModel, ready: list[float] | None, buckets: int, group, device: torch.device,

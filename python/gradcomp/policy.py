@@ -48,6 +48,9 @@ DDP, nor slower than any option fixed for every bucket by more than MARGIN (with
 is kept in the state (a resumed run repeats it) and taken anew every `remeasure_every` steps where that is set.
 Then the run tries the model's shortlist for a few steps each and keeps the fastest measured, compression only
 where its gain over plain is clear of the rounds' scatter (gradcomp.trial; trial_steps=0 leaves the model's choice).
+Those steps also time what the probes and dry runs cannot: each compressed option's collectives and plans' launches
+inside its own steps, and plain's window among the other candidates' steps; after the verdict the predictions are
+taken again at those loads (in_step), which explain() shows beside the decision's.
 Known limits (benchmarks/README.md, policy.py): compute on the collectives' callbacks is taken to hold the link, not
 to slow backward or the encodes beside it (where a rank has one core to itself, it does); the load is one factor
 for every collective, measured on the plain allreduces only.
@@ -442,6 +445,59 @@ def decide(model: CostModel, ready: list[float] | None, buckets: list[dict], cod
     }
 
 
+# The collective kind of the loaded parts (wire, second) of each flat scheme's Cost. The hierarchical scheme's run in
+# the node's and the nodes' groups, whose collectives the trial does not time.
+PART_KINDS = {"plain": ("allreduce", None), "allreduce": ("allreduce", None), "allgather": ("all-gather", None),
+              "two-phase": ("all-to-all", "all-gather"), "powersgd": ("allreduce", "allreduce")}
+
+
+def in_step(decision: dict, loads: dict[str, dict[str, float]], plain_window: float | None = None) -> dict:
+    """The decision's predictions again, at the loads that the trial's own steps showed instead of the one load
+    fitted to the warm-up's plain steps:
+        each compressed option's collectives at the loads its own steps showed, kind by kind (loads: option -> kind
+            -> seconds in the step over the probes' time, the least over the ranks: gradcomp.measure's
+            WarmupTimings.collective_loads), and its encode (less the hook's own time) at its plans' launches in
+            those steps over their dry runs (loads: option -> "encode"; WarmupTimings.launch_loads);
+        plain's at the load (link_load) that makes its queue end where the trial's steps that sent every bucket
+            plain did (plain_window: their window, as the warm-up's is read; None where none ran): the one load is
+            fitted to plain's whole window, as at the decision, from steps among the other candidates' (as a run's
+            later steps are, where the warm-up's ran one after another);
+        any other collective (a kind not timed; the hierarchical scheme's, in groups the trial does not time) as
+            decided; the other kernels (decode, middle: on the collectives' callbacks) and backward's offsets as
+            decided.
+    JSON-able, kept in the decision; explain() shows it. It changes no choice: the trial measured the steps."""
+    load, hook = decision["link_load"], saved_hook_seconds(decision)
+    ready = [bucket["ready_s"] for bucket in decision["buckets"]]
+    plain_load = None
+    if plain_window is not None and load > 0:
+        plain_load = link_load(ready, [Cost(*b["predicted_s"]["plain"]).loaded(1 / load) for b in decision["buckets"]],
+                               plain_window)
+
+    def at_step(option: str, parts: list[float]) -> Cost:
+        cost = Cost(*parts)
+        if option == "plain":
+            return cost if plain_load is None else cost.loaded(plain_load / load)
+        wire_kind, second_kind = PART_KINDS.get(option, (None, None))
+        measured = loads.get(option, {})
+
+        def scaled(seconds, kind):
+            return seconds / load * measured[kind] if kind in measured and load > 0 else seconds
+
+        encode = cost.encode if "encode" not in measured else hook + (cost.encode - hook) * measured["encode"]
+        return Cost(encode, scaled(cost.wire, wire_kind), cost.decode, cost.middle,
+                    scaled(cost.second, second_kind), cost.held)
+
+    ready = [bucket["ready_s"] for bucket in decision["buckets"]]
+    costs = [{o: at_step(o, parts) for o, parts in bucket["predicted_s"].items()} for bucket in decision["buckets"]]
+    trial = decision.get("trial") or {}
+    model_choice = (trial.get("choices") or {}).get(policy_trial.MODEL) or \
+        [bucket["choice"] for bucket in decision["buckets"]]  # the buckets' choices follow the trial's candidates
+    predicted = {"policy": exposed(ready, [c[name] for c, name in zip(costs, model_choice)]),
+                 **{o: exposed(ready, [c[o] for c in costs]) for o in decision["options"]}}
+    return {"loads": {option: dict(kinds) for option, kinds in loads.items()}, "plain_window_s": plain_window,
+            "plain_load": plain_load, "predicted_exposed_s": predicted}
+
+
 def saved_hook_seconds(decision: dict) -> float:
     """The hook's own seconds per call that a decision was taken with: its model's "hook" kernel (0 in a decision
     saved before gradcomp measured it)."""
@@ -475,4 +531,17 @@ def explain(decision: dict | None, spec: str) -> str:
     lines.append("predicted communication per step beyond backward (ms): "
                  + ", ".join(f"{o} {predicted[o] * 1e3:.2f}" for o in options)
                  + f", the model's choice {predicted['policy'] * 1e3:.2f}")
-    return "\n".join(lines + policy_trial.describe(decision.get("trial")))
+    lines += policy_trial.describe(decision.get("trial"))
+    after = decision.get("in_step")
+    if after and (after["loads"] or after.get("plain_load") is not None):
+        loads = [f"{option}'s " + ", ".join(f"{kind} {load:.2f}x" for kind, load in kinds.items())
+                 for option, kinds in after["loads"].items()]
+        if after.get("plain_load") is not None:
+            loads.insert(0, f"plain's {after['plain_load']:.2f}x (its steps spent "
+                            f"{after['plain_window_s'] * 1e3:.2f} ms beyond the last rank's backward)")
+        predicted = after["predicted_exposed_s"]
+        lines.append(f"in the trial's steps the collectives took their probes' times x: {'; '.join(loads)} (the "
+                     f"decision took every kind at {decision['link_load']:.2f}x); predicted at those (ms): "
+                     + ", ".join(f"{o} {predicted[o] * 1e3:.2f}" for o in options)
+                     + f", the model's choice {predicted['policy'] * 1e3:.2f}")
+    return "\n".join(lines)

@@ -9,6 +9,7 @@ pickling: gradcomp.state_io; the per-step machinery: gradcomp.step; how a bucket
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import logging
@@ -263,6 +264,8 @@ class CompressionState(StateCheckpoints):
                 self._timings.bucket_called(self.iter, bucket.index(), buffer.device)
             if self._current["buckets"] == 1 and self.policy == "time" and not starting:
                 self._follow_trial(step, buffer)
+            trial_option = self._timed_in_trial(step, bucket, buffer) if compressible and not starting else None
+            launching = time.perf_counter()
             if not compressible:
                 future = self._plain(step, buffer)
             elif starting and self.start_codec is None:
@@ -285,6 +288,8 @@ class CompressionState(StateCheckpoints):
                     self._decide(step, buffer, list(self._plans.values()))
                     self._retire_changed_plans()
                 future = self._compressed(step, bucket, buffer, self._plans, self._new_plan)
+            if trial_option not in (None, PlainBucket.scheme) and buffer.device.type == "cpu":
+                self._timings.plan_launched(trial_option, bucket.index(), time.perf_counter() - launching)
             if bucket.is_last():
                 self._sequencer.close()
         except BaseException as error:
@@ -573,12 +578,54 @@ class CompressionState(StateCheckpoints):
             self._decision["trial"] = trial
             name = trial["chosen"] or policy_trial.candidate_at(trial, self.iter)  # a close call: one more round
             if trial["chosen"] is not None:
+                self._decision["in_step"] = self._in_step(step, buffer.device)
                 self._timings = measure.WarmupTimings()
         for bucket, choice in zip(self._decision["buckets"], trial["choices"][name]):
             bucket["choice"] = choice
         self._retire_changed_plans()
         if trial["chosen"] is not None:
             logger.info("%s", time_policy.explain(self._decision, self.spec))
+
+    def _timed_in_trial(self, step: Step, bucket: dist.GradBucket, buffer: torch.Tensor) -> str | None:
+        """In a counted step of policy='time''s trial, a bucket's option, with its hook call marked (the plain
+        window) and its collectives timed (step.times); the caller times its plan's launch: _in_step's loads. None
+        elsewhere."""
+        if self.policy != "time" or not self._trial_running() or \
+                not policy_trial.counted(self._decision["trial"], self.iter):
+            return None
+        option = next((b["choice"] for b in self._decision["buckets"] if b["index"] == bucket.index()),
+                      PlainBucket.scheme)
+        step.times = functools.partial(self._timings.collective_launched, option)
+        self._timings.bucket_called(self.iter, bucket.index(), buffer.device)
+        return option
+
+    def _in_step(self, step: Step, device: torch.device) -> dict:
+        """The decision's predictions at the loads that the trial's own steps showed: the compressed options' by
+        their collectives, option by option and kind by kind, and by their plans' launches (on the CPU); plain's by
+        the window of the steps that sent every bucket plain (the least over the ranks: the last rank through
+        backward waits least for the others). The same on every rank."""
+        curves = {}
+        for key, saved in self._decision["model"]["links"].items():
+            level, kind = key.split("/")
+            if level == "world":
+                curves[kind] = time_policy.link_from_json(saved)
+        mine = self._timings.collective_loads(curves)
+        for option, factor in self._timings.launch_loads(self._decision).items():
+            mine.setdefault(option, {})["encode"] = factor
+        compressed = [o for o in self._decision["options"] if o != PlainBucket.scheme]  # plain: its window, below
+        names = [f"{option}/{kind}" for option in compressed for kind in (*time_policy.KINDS, "encode")]
+        least = measure.least_over_ranks({f"{option}/{kind}": factor for option, kinds in mine.items()
+                                          for kind, factor in kinds.items()}, names, step.group, device)
+        loads: dict[str, dict[str, float]] = {}
+        for name, factor in least.items():
+            option, kind = name.split("/")
+            loads.setdefault(option, {})[kind] = factor
+        trial = self._decision["trial"]
+        plain = policy_trial.all_plain(trial)
+        plain_steps = [s for s in range(trial["start"], trial["start"] + policy_trial.length(trial))
+                       if policy_trial.counted(trial, s) and policy_trial.candidate_at(trial, s) == plain]
+        window = measure.last_ranks_window(self._timings.trial_windows(plain_steps), plain_steps, step.group, device)
+        return time_policy.in_step(self._decision, loads, window)
 
     def _time_plans(self, step: Step, buffer: torch.Tensor, buckets: list[dict], options: list[str], clock) -> list:
         """Per bucket, {option: (encode, middle, decode) seconds} of a scratch plan of that scheme launched on this step's

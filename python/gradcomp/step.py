@@ -83,7 +83,7 @@ class Step:
     """What a bucket needs for one step: the group, this rank, the step, its stats and collectives."""
 
     __slots__ = ("group", "world", "rank", "step", "record", "total", "sequencer", "stats_lock", "decode_status",
-                 "device_counters", "nonfinite_on_device", "nodes", "counts_nonfinite")
+                 "device_counters", "nonfinite_on_device", "nodes", "counts_nonfinite", "times")
 
     def __init__(self, group, world, rank, step, record, total, sequencer, stats_lock, device_counters, nodes=None):
         self.group, self.world, self.rank, self.step, self.record, self.total = group, world, rank, step, record, total
@@ -93,10 +93,13 @@ class Step:
         self.nonfinite_on_device = None
         self.nodes = nodes  # the node layout and its groups (gradcomp.nodes.NodeLayout), where there is one
         self.counts_nonfinite = True
+        self.times = None  # policy="time"'s trial: times(step, kind, nbytes, device) as a collective is issued,
+        # which returns what its completion calls (WarmupTimings.collective_launched for the bucket's option)
 
     def on(self, group, world: int, rank: int) -> "Step":
         """The same step in another group (the hierarchical scheme's levels), with the same stats and sequencer;
-        the bucket's own step counts its non-finite verdict."""
+        the bucket's own step counts its non-finite verdict. Its collectives are not timed: the trial times the
+        whole group's."""
         step = Step(group, world, rank, self.step, self.record, self.total, self.sequencer, self.stats_lock,
                      self.device_counters, self.nodes)
         step.decode_status, step.counts_nonfinite = self.decode_status, False
@@ -138,11 +141,15 @@ class Step:
                                             for r in range(first, first + self.nodes.node_size)))
 
     def allreduce(self, tensor: torch.Tensor) -> torch.futures.Future:
-        return self._explained(dist.all_reduce(tensor, group=self.group, async_op=True).get_future(), "allreduce")
+        completed = self._timed("allreduce", tensor)
+        return self._explained(dist.all_reduce(tensor, group=self.group, async_op=True).get_future(), "allreduce",
+                               completed)
 
     def all_gather(self, out: torch.Tensor, tensor: torch.Tensor) -> torch.futures.Future:
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        return self._explained(gather(out.view(-1), tensor, group=self.group, async_op=True).get_future(), "all-gather")
+        completed = self._timed("all-gather", tensor)
+        return self._explained(gather(out.view(-1), tensor, group=self.group, async_op=True).get_future(), "all-gather",
+                               completed)
 
     def reduce_scatter_now(self, out: torch.Tensor, tensor: torch.Tensor) -> None:
         """A reduce-scatter, waited for here: on NCCL the current stream waits for it, not the host; on gloo (whose
@@ -154,8 +161,9 @@ class Step:
             raise self._failure("reduce-scatter", error) from error
 
     def all_to_all(self, out: torch.Tensor, tensor: torch.Tensor, out_splits, in_splits) -> torch.futures.Future:
+        completed = self._timed("all-to-all", tensor)
         work = dist.all_to_all_single(out.view(-1), tensor, out_splits, in_splits, group=self.group, async_op=True)
-        return self._explained(work.get_future(), "all-to-all")
+        return self._explained(work.get_future(), "all-to-all", completed)
 
     def count_nonfinite(self, finite: torch.Tensor) -> None:
         """Counts a bucket whose data was not finite: at once on the CPU, on the device on CUDA (read by stats())."""
@@ -172,10 +180,19 @@ class Step:
                 self.device_counters.append(counter)
         counter.add_(~finite)
 
-    def _explained(self, future: torch.futures.Future, what: str) -> torch.futures.Future:
-        """The collective's result, or its error with what gradcomp was doing when it failed."""
+    def _timed(self, kind: str, tensor: torch.Tensor):
+        """What a timed collective's completion calls (None where this step's collectives are not timed)."""
+        if self.times is None:
+            return None
+        return self.times(self.step, kind, tensor.numel() * tensor.element_size(), tensor.device)
+
+    def _explained(self, future: torch.futures.Future, what: str, completed=None) -> torch.futures.Future:
+        """The collective's result, or its error with what gradcomp was doing when it failed; completed(), where
+        given, is called as it completes."""
 
         def check(done):
+            if completed is not None:
+                completed()
             try:
                 return done.value()
             except Exception as error:

@@ -213,10 +213,15 @@ def test_policy_quick_mode_times_every_option_and_the_policy(tmp_path):
             assert all(r is None or r >= 2 for r in policy["trial_rounds"])
             assert set(policy["trial"]) <= {None, "model", "plain", "allgather", "two-phase"}
             assert policy["predicted_exposed_ms"] is not None and policy["measured_exposed_ms"] >= 0
+            # after its trial, and as decided (the same where no trial ran)
+            assert policy["predicted_as_decided_ms"] is not None
+            if policy["trial"] == [None] * report["rounds"]:
+                assert policy["predicted_as_decided_ms"] == policy["predicted_exposed_ms"]
             assert 0 <= policy["spread"] and policy["vs_limit"] > 0
     # 1 Gbit/s: plain DDP's 9.5 MB per step cannot hide behind the MLP's little backward
     assert rows[("1gbit", "signsgd", "plain DDP")]["measured_exposed_ms"] > 10
     assert report["summary"]["cells"] == 4
+    assert report["summary"]["predictions"] == report["summary"]["predictions_as_decided"] > 0
     assert (tmp_path / "policy_quick.png").read_bytes()[:8] == PNG_MAGIC
 
 

@@ -217,6 +217,74 @@ def test_the_hooks_own_time_is_the_median_of_the_warm_ups_calls():
     assert timings.hook_seconds() == 3e-4
 
 
+def test_the_trials_collectives_give_each_option_and_kind_its_load_from_launch_or_the_one_before_to_completion():
+    """Each timed collective's seconds run from its launch, or from the completion of the one before it where that
+    came later, to its completion; per option and kind, the median of those over the probes' time at its size, of the
+    collectives issued from the step's last hook call on (after backward). A step with a collective that never
+    completed, and a kind with no probes, count for nothing."""
+    timings = measure.WarmupTimings()
+    timings.clock = measure.Clock(torch.device("cpu"))
+    timings.steps = {7: [(0, 9.0), (1, 10.0)], 8: [(0, 19.0), (1, 20.0)], 9: [(0, 29.0), (1, 30.0)]}  # hook calls
+    timings.collectives = {
+        # the all-gather's own time: from the all-to-all's completion, 1 ms
+        7: [["two-phase", "all-to-all", 1000, 10.0, 10.002], ["two-phase", "all-gather", 100, 10.0005, 10.003],
+            ["allgather", "all-gather", 100, 9.5, 9.9]],  # during backward: not counted
+        8: [["two-phase", "all-to-all", 1000, 20.0, 20.004], ["two-phase", "all-gather", 100, 20.005, 20.0065],
+            ["allgather", "all-gather", 100, 20.007, 20.009], ["allgather", "allreduce", 8, 20.0095, 20.01]],
+        9: [["two-phase", "all-to-all", 1000, 30.0, 30.1], ["two-phase", "all-gather", 100, 30.0, None]]}  # failed
+    assert [s for *_, s in timings.collective_seconds(7)] == [None, pytest.approx(2e-3), pytest.approx(1e-3)]
+    assert [s for *_, s in timings.collective_seconds(9)] == [None, None]
+    curves = {"all-to-all": Curve((1000.0,), (1e-3,)), "all-gather": Curve((100.0,), (5e-4,))}
+    loads = timings.collective_loads(curves)
+    assert set(loads) == {"two-phase", "allgather"} and set(loads["two-phase"]) == {"all-to-all", "all-gather"}
+    assert loads["two-phase"]["all-to-all"] == pytest.approx((2 + 4) / 2)  # 2 ms and 4 ms against 1 ms
+    assert loads["two-phase"]["all-gather"] == pytest.approx((2 + 3) / 2)  # 1 ms and 1.5 ms against 0.5 ms
+    assert loads["allgather"] == {"all-gather": pytest.approx(4.0)}  # no allreduce curve: left out
+    del timings.steps[7]
+    assert timings.trial_windows([7, 8, 9]) == {8: pytest.approx(0.01)}  # the last call to the last completion
+
+
+def test_after_the_trial_each_compressed_options_collectives_are_taken_at_their_own_loads():
+    """The decision's collectives, at its one load (2x), are taken at the trial's load of their option and kind where
+    it timed them (plain's, fitted to the warm-up's plain steps, and the rest as decided); the kernels as decided; the
+    model's choice is the trial's "model" candidate, not the buckets' choice (which follows the trial's candidates)."""
+    decision = {"link_load": 2.0, "options": ["plain", "allgather", "two-phase"], "model": {"kernels": {}},
+                "buckets": [{"ready_s": 0.0, "choice": "plain",
+                             "predicted_s": {"plain": [0.0, 4e-3, 0.0, 0.0, 0.0, 0.0],
+                                             "allgather": [1e-3, 2e-3, 1e-3, 0.0, 0.0, 0.0],
+                                             "two-phase": [1e-3, 2e-3, 1e-3, 5e-4, 4e-3, 0.0]}}],
+                "trial": {"choices": {"model": ["allgather"], "plain": ["plain"]}}}
+    loads = {"allgather": {"all-gather": 6.0}, "two-phase": {"all-gather": 1.0}}
+    after = time_policy.in_step(decision, loads)
+    predicted = after["predicted_exposed_s"]
+    assert after["loads"] == loads
+    assert predicted["plain"] == pytest.approx(4e-3)  # as decided
+    assert predicted["allgather"] == pytest.approx(1e-3 + 6e-3 + 1e-3)  # its wire at 6x, not 2x
+    assert predicted["policy"] == pytest.approx(predicted["allgather"])
+    # two-phase: its all-to-all as decided, its all-gather (second round, after encode, wire and middle) at 1x
+    assert predicted["two-phase"] == pytest.approx(1e-3 + 2e-3 + 5e-4 + 2e-3 + 1e-3)
+    # the trial's plain steps spent 3 ms beyond backward: plain's allreduce (2 ms alone) at 1.5x, the rest as before
+    refitted = time_policy.in_step(decision, loads, plain_window=3e-3)
+    assert refitted["plain_load"] == pytest.approx(1.5)
+    assert refitted["predicted_exposed_s"] == pytest.approx({**predicted, "plain": 3e-3})
+    # the plans' launches 3x their dry runs: the encode less the hook's own time (0.4 ms), 0.6 ms, to 1.8 ms
+    hooked = {**decision, "model": {"kernels": {"hook": [4e-4, 0.0]}}}
+    slower = time_policy.in_step(hooked, {"allgather": {"encode": 3.0}})["predicted_exposed_s"]
+    assert slower["allgather"] == pytest.approx(4e-4 + 1.8e-3 + 2e-3 + 1e-3)
+
+
+def test_the_trials_plan_launches_give_each_option_its_encode_load_over_the_dry_runs():
+    """Per option, the median over its buckets' launches of each one's seconds over that bucket's decided encode
+    less the hook's own time (its dry run)."""
+    decision = {"model": {"kernels": {"hook": [1e-4, 0.0]}},
+                "buckets": [{"index": 0, "predicted_s": {"allgather": [1.1e-3, 0, 0, 0, 0, 0]}},
+                            {"index": 1, "predicted_s": {"allgather": [2.1e-3, 0, 0, 0, 0, 0]}}]}
+    timings = measure.WarmupTimings()
+    for index, seconds in ((0, 1.5e-3), (1, 2.4e-3), (0, 1.2e-3), (1, 4e-3)):
+        timings.plan_launched("allgather", index, seconds)
+    assert timings.launch_loads(decision) == {"allgather": pytest.approx((1.2 + 1.5) / 2)}  # of 1.2, 1.5, 1.2, 2
+
+
 def test_the_choice_is_never_predicted_slower_than_plain_and_leaves_hidden_buckets_plain():
     ready = [0.0, 0.050, 0.100]
     cheap = {"plain": Cost(0.0, 0.010, 0.0), "allgather": Cost(0.001, 0.001, 0.001)}
@@ -744,6 +812,14 @@ def test_the_trial_runs_each_candidate_in_turn_and_every_rank_keeps_the_fastest_
     assert trial["chosen"] == "allgather"
     assert_the_trial_was_followed(results, steps, world)
     assert "chosen: allgather" in results[0]["explain"]
+    loads = results[0]["stats"]["decision"]["in_step"]["loads"]  # the compressed candidates' collectives, timed
+    assert loads.keys() == {"allgather", "two-phase"} and loads["allgather"].keys() == {"all-gather", "encode"}
+    assert loads["two-phase"].keys() == {"all-to-all", "all-gather", "encode"}
+    assert min(load for kinds in loads.values() for load in kinds.values()) > 0
+    assert all(kinds["encode"] > 0 for kinds in loads.values())  # the plans' launches, timed on these CPU ranks
+    low, high = time_policy.LOAD_BOUNDS  # plain's load fitted to the trial's plain steps' window
+    assert low <= results[0]["stats"]["decision"]["in_step"]["plain_load"] <= high
+    assert "in the trial's steps the collectives took" in results[0]["explain"]
 
 
 # Per rank, per round: allgather's gain over plain (3.0 s) is lost in round 1, so two rounds do not settle it; the
