@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .policy import KINDS, CostModel, Curve, Line
+from .policy import KINDS, CostModel, Curve, Line, saved_hook_seconds
 from .powersgd import PowerSGD
 from .step import Step
 
@@ -162,7 +162,7 @@ class WarmupTimings:
         """Per option, the median over its buckets' launches in the trial of each one's seconds over the decision's
         encode for that bucket less the hook's own time (the plan's dry run): how much slower its encodes ran in the
         step than alone (the caches cold, the cores shared)."""
-        hook = Line(*decision["model"]["kernels"].get("hook", (0.0, 0.0))).fixed
+        hook = saved_hook_seconds(decision)
         encodes = {option: {b["index"]: b["predicted_s"][option][0] - hook for b in decision["buckets"]
                             if option in b["predicted_s"]} for option in self.launches}
         loads = {}
@@ -404,15 +404,9 @@ def least_over_ranks(figures: dict[str, float], names: list[str], group, device:
 def last_ranks_window(windows: dict[int, float], steps: list[int], group, device: torch.device) -> float | None:
     """The median over `steps` (the same on every rank) of the least of the ranks' windows there (one allreduce), the
     last rank's through backward (see combine); None where no step has a window on every rank."""
-    values = [x for step in steps for x in ((-windows[step], 0.0) if step in windows else (0.0, 1.0))]  # MAX of -x
-    if not values:
-        return None
-    tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    if dist.get_world_size(group) > 1:
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
-    values = tensor.cpu().tolist()
-    least = [-values[2 * i] for i in range(len(steps)) if not values[2 * i + 1]]
-    return statistics.median(least) if least else None
+    least = least_over_ranks({str(step): w for step, w in windows.items()}, [str(step) for step in steps], group,
+                             device)
+    return statistics.median(least.values()) if least else None
 
 
 def combine(model: CostModel, ready: list[float] | None, buckets: int, group, device: torch.device,

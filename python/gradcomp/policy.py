@@ -487,7 +487,6 @@ def in_step(decision: dict, loads: dict[str, dict[str, float]], plain_window: fl
         return Cost(encode, scaled(cost.wire, wire_kind), cost.decode, cost.middle,
                     scaled(cost.second, second_kind), cost.held)
 
-    ready = [bucket["ready_s"] for bucket in decision["buckets"]]
     costs = [{o: at_step(o, parts) for o, parts in bucket["predicted_s"].items()} for bucket in decision["buckets"]]
     trial = decision.get("trial") or {}
     model_choice = (trial.get("choices") or {}).get(policy_trial.MODEL) or \
@@ -537,11 +536,12 @@ def explain(decision: dict | None, spec: str) -> str:
         loads = [f"{option}'s " + ", ".join(f"{kind} {load:.2f}x" for kind, load in kinds.items())
                  for option, kinds in after["loads"].items()]
         if after.get("plain_load") is not None:
-            loads.insert(0, f"plain's {after['plain_load']:.2f}x (its steps spent "
+            loads.insert(0, f"plain's allreduces {after['plain_load']:.2f}x (its steps spent "
                             f"{after['plain_window_s'] * 1e3:.2f} ms beyond the last rank's backward)")
         predicted = after["predicted_exposed_s"]
-        lines.append(f"in the trial's steps the collectives took their probes' times x: {'; '.join(loads)} (the "
-                     f"decision took every kind at {decision['link_load']:.2f}x); predicted at those (ms): "
+        lines.append(f"in the trial's steps, the collectives against their probes and the encodes against their dry "
+                     f"runs: {'; '.join(loads)} (the decision took every collective at "
+                     f"{decision['link_load']:.2f}x); predicted at those (ms): "
                      + ", ".join(f"{o} {predicted[o] * 1e3:.2f}" for o in options)
                      + f", the model's choice {predicted['policy'] * 1e3:.2f}")
     return "\n".join(lines)

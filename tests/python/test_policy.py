@@ -819,7 +819,7 @@ def test_the_trial_runs_each_candidate_in_turn_and_every_rank_keeps_the_fastest_
     assert all(kinds["encode"] > 0 for kinds in loads.values())  # the plans' launches, timed on these CPU ranks
     low, high = time_policy.LOAD_BOUNDS  # plain's load fitted to the trial's plain steps' window
     assert low <= results[0]["stats"]["decision"]["in_step"]["plain_load"] <= high
-    assert "in the trial's steps the collectives took" in results[0]["explain"]
+    assert "in the trial's steps, the collectives against their probes" in results[0]["explain"]
 
 
 # Per rank, per round: allgather's gain over plain (3.0 s) is lost in round 1, so two rounds do not settle it; the
