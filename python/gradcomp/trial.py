@@ -7,7 +7,8 @@ measured fastest:
     the shortlist: the model's choice and each option applied to every bucket (plain included), without those whose
         predicted step (the warm-up's measured plain step, less plain's predicted exposed communication, plus the
         candidate's) is over PRUNE x the best predicted one, both at the load the warm-up showed and at the probes'
-        own pace (a load from one warm-up step can be far off): plain at 100 Mbit/s is not worth a trial;
+        own pace (a load from one warm-up step can be far off): plain at 100 Mbit/s is not worth a trial (a shortlist
+        of one still runs, for the steps' timings: gradcomp.policy.in_step);
     the schedule: trial_steps rounds; each runs every candidate for one block of BLOCK steps, in an order shuffled
         per round (the same on every rank; the first round starts with the model's choice, which the decision's own
         step sends); the first step of a block (the switch, new plans laid out) is not counted. A core's speed
@@ -87,7 +88,9 @@ def check_trial_steps(trial_steps, policy: str) -> int:
 
 
 def plan(decision: dict, trial_steps: int, plain_step_s: float | None) -> dict | None:
-    """The trial for a decision, JSON-able (kept in the decision): None where the shortlist holds one candidate."""
+    """The trial for a decision, JSON-able (kept in the decision); None where trial_steps is 0. A shortlist of one
+    still runs its rounds: there is nothing to compare, but its steps show what the model could not measure alone
+    (gradcomp.policy.in_step), at no cost (the run sends what it would have sent)."""
     if not trial_steps:
         return None
     model_choice = [bucket["choice"] for bucket in decision["buckets"]]
@@ -104,8 +107,6 @@ def plan(decision: dict, trial_steps: int, plain_step_s: float | None) -> dict |
                 step = {name: compute + predicted["policy" if name == MODEL else name] for name in candidates}
                 kept |= {name for name in candidates if step[name] <= PRUNE * min(step.values())}
         candidates = {name: c for name, c in candidates.items() if name in kept}
-    if len(candidates) < 2:
-        return None
     names = list(candidates)
     order = []
     for round_ in range(trial_steps):

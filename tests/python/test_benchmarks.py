@@ -206,7 +206,7 @@ def test_policy_quick_mode_times_every_option_and_the_policy(tmp_path):
             policy = rows[(link, spec, f"{spec} policy")]
             assert len(policy["choices"]) == report["rounds"]  # the schemes it chose, each round
             assert all(set(c) <= {"plain", "allgather", "two-phase"} for c in policy["choices"])
-            # timed after its trial: the candidate that stood each round (None where the shortlist held one)
+            # timed after its trial: the candidate that stood each round (None where none ran)
             assert len(policy["trial"]) == len(policy["trial_rounds"]) == report["rounds"]
             # the rounds its trial ran (close calls add some), None where there was no trial
             assert [r is None for r in policy["trial_rounds"]] == [t is None for t in policy["trial"]]

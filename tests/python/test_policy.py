@@ -523,7 +523,9 @@ def test_the_trial_shortlist_drops_what_is_predicted_far_slower_and_schedules_th
     assert policy_trial.plan(decision, 0, plain_step_s=2.5) is None
     plain_chosen = {**decision, "buckets": [{"choice": "plain"}] * 2,
                     "predicted_exposed_s": {"policy": 0.2, "plain": 0.2, "allgather": 3.0, "two-phase": 3.0}}
-    assert policy_trial.plan(plain_chosen, 4, plain_step_s=0.5) is None  # only plain is left: nothing to try
+    # only plain is left: nothing to compare, but its rounds still run, for the steps' timings (in_step)
+    alone = policy_trial.plan(plain_chosen, 4, plain_step_s=0.5)
+    assert alone["names"] == ["model"] and policy_trial.all_plain(alone) == "model" and policy_trial.length(alone) == 8
 
 
 SWITCH_SECONDS = 100.0  # each block's first step (the switch): far slower than any scripted step, and never counted
