@@ -9,22 +9,25 @@ Per world size and link, one process group runs every configuration of every mod
 every configuration of a model afresh and warms each up (the policy's decision and trial included), then times
 --steps steps of each, one step of every configuration in turn (in an order shuffled anew for each step, the
 same on every rank), so that this machine's drift (a core's speed moves by tens of percent within seconds) meets
-them all alike. A configuration: plain DDP; the no-communication limit (a hook that returns the local gradient);
-per codec, each option fixed for every bucket (the codec under each scheme it can take, min_bucket_ratio=0) and
-policy="time" (timed after its trial, gradcomp.trial, which the policy's rows name: "model" where the cost model's
-choice stood, else the option the trial kept for every bucket). A step's time is the slowest rank's (a barrier
+them all alike; with --block K, K timed steps of each in a row per turn, after one untimed (a job runs its own steps
+one after another: its caches hold its own model, not 12 others'). A configuration: plain DDP; the
+no-communication limit (a hook that returns the local gradient); per codec, each option fixed for every bucket
+(the codec under each scheme it can take, min_bucket_ratio=0) and policy="time" (timed after its trial,
+gradcomp.trial, which the policy's rows name: "model" where the cost model's choice stood, else the option the
+trial kept for every bucket). A step's time is the slowest rank's (a barrier
 before each step); a round's figure is the median over its steps; a configuration's, the median over the rounds.
 Ratios are to the same link's limit. Beside each row, the spread (max - min) / median over the rounds of the
 round's ratio to that round's limit (the figure the tables compare), and the same of its milliseconds ("of ms",
 which carries the machine's drift).
 The cost model's prediction: the policy's decision predicts each option's exposed communication per step (beyond
-the slowest rank's backward without it), and after its trial again with each collective kind at the load the
-trial's own steps showed (predicted_exposed_ms; as decided: predicted_as_decided_ms); measured, on each rank the time from where its backward would have called
-the last bucket's hook had no hook held it up (the last call less the time spent inside the calls before it, the
-encodes that ran on backward's thread) to the completion of the last bucket's future, read around the hook (plain
-DDP runs as torch's allreduce hook for this); per step the least over the ranks, the last rank's through backward
-(every rank leaves the step together); median over steps and rounds. Beside it, the step minus the limit's step;
-the JSON keeps each step's slowest window (the last call to the last completion: the wait for the last rank in it).
+the slowest rank's backward without it), and after its trial again at the loads the trial's own steps showed
+(gradcomp.policy.in_step): predicted_exposed_ms, and as decided predicted_as_decided_ms. Measured: on each rank the
+time from where its backward would have called the last bucket's hook had no hook held it up (the last call less
+the time spent inside the calls before it, the encodes that ran on backward's thread) to the completion of the last
+bucket's future, read around the hook (plain DDP runs as torch's allreduce hook for this); per step the least over
+the ranks, the last rank's through backward (every rank leaves the step together); median over steps and rounds.
+Beside it, the step minus the limit's step; the JSON keeps each step's slowest window (the last call to the last
+completion: the wait for the last rank in it).
 With several ranks on 2 cores the ranks' compute is shared, so times compare only within one world size and link.
 Results: policy[_quick].{json,csv,png} in --out.
 """
@@ -116,7 +119,7 @@ class ExposedWindow:
 
 class Configuration:
     """One configuration on this rank: its model under DDP with its hook, warmed up (and, under the policy, through
-    its trial) before any is timed; then one timed step at a time, interleaved with the other configurations' (so
+    its trial) before any is timed; then one timed step at a time (or --block), interleaved with the others' (so
     that this machine's drift, which moves a whole core's speed within seconds, meets them all alike). Plain DDP
     runs as torch's allreduce hook, so that its window can be read."""
 
@@ -180,6 +183,11 @@ def predictions(decision: dict, after_trial: bool) -> dict[str, float]:
     return {**predicted, "policy": predicted["policy" if chosen in (None, "model") else chosen]}
 
 
+def turns(steps: int, block: int) -> list[int]:
+    """The timed steps each configuration takes in a row at each turn: `steps` in runs of `block`."""
+    return [min(block, steps - start) for start in range(0, steps, block)]
+
+
 def time_round(args, round_: int, model_name: str) -> list[dict]:
     """One round of one model: every configuration built and warmed up, then its timed steps, one step of each in
     turn; the rows of every rank's measurements (on rank 0 as on the others). The configurations are freed on
@@ -188,11 +196,15 @@ def time_round(args, round_: int, model_name: str) -> list[dict]:
                 for label, spec, options in configurations(args.codecs)]
     for _, _, configuration in labelled:
         configuration.warm_up(args.warmup)
-    for step in range(args.steps):  # each step in another order, the same on every rank: a step after a heavy
-        order = [configuration for _, _, configuration in labelled]  # configuration may run slower
-        random.Random(f"{round_} {model_name} {step}").shuffle(order)
+    for turn, timed in enumerate(turns(args.steps, args.block)):  # each turn in another order, the same on every
+        order = [configuration for _, _, configuration in labelled]  # rank: a step after a heavy one may run slower
+        random.Random(f"{round_} {model_name} {turn}").shuffle(order)
         for configuration in order:
-            configuration.timed_step()
+            if args.block > 1:  # a block: one untimed step, after the other configurations', then its timed ones
+                configuration.step()
+                configuration.window.take()
+            for _ in range(timed):
+                configuration.timed_step()
     runs = []
     for label, spec, configuration in labelled:
         mine = configuration.result()
@@ -230,7 +242,8 @@ def run_world(args, world: int, link: str) -> list:
     rate = None if link == "unshaped" else link
     return run_in_namespaces("gcp", world, SUBNET, rate, __file__, 29410,
                              ["--steps", str(args.steps), "--warmup", str(args.warmup), "--rounds", str(args.rounds),
-                              "--models", *args.models, "--codecs", *args.codecs], args.timeout,
+                              "--block", str(args.block), "--models", *args.models, "--codecs", *args.codecs],
+                             args.timeout,
                              f"{world} ranks, {link}")
 
 
@@ -344,6 +357,9 @@ def parse_args(argv=None):
     parser.add_argument("--steps", type=int, default=6, help="timed steps per round")
     parser.add_argument("--warmup", type=int, default=START_ITER + 2)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--block", type=int, default=1,
+                        help="timed steps of a configuration in a row, after one untimed (default 1: one timed step "
+                             "of each in turn); a job runs its own steps one after another")
     parser.add_argument("--timeout", type=float, default=7200, help="seconds for one world size and link")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--replot", action="store_true", help="the tables and plot again from --out's JSON")
@@ -353,6 +369,8 @@ def parse_args(argv=None):
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--rank-out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.block < 1:
+        parser.error(f"--block {args.block}: give 1 or more timed steps in a row")
     if args.quick:
         args.worlds = args.worlds or [2]
         args.links = args.links or ["1gbit", "unshaped"]
@@ -414,7 +432,7 @@ def main(argv=None) -> int:
     parameters = {name: sum(p.numel() for p in build().parameters()) for name, (build, _) in MODELS.items()}
     report(table_rows(runs, args.codecs), stem,
            {"machine": machine(), "parameters": parameters, "steps": args.steps, "warmup": args.warmup,
-            "rounds": args.rounds, "worlds": args.worlds, "links": args.links, "codecs": args.codecs,
+            "rounds": args.rounds, "block": args.block, "worlds": args.worlds, "links": args.links, "codecs": args.codecs,
             "runs": [{"world": w, "link": link, **e} for (w, link), entries in runs.items() for e in entries]})
     return 0
 

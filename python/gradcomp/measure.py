@@ -55,7 +55,7 @@ class WarmupTimings:
         self.starts: dict[int, Any] = {}  # step -> the mark of its first bucket's hook call
         self.hook_calls: list[float] = []  # host seconds of each plain hook call beyond its allreduce's launch
         self.collectives: dict[int, list] = {}  # trial step -> [[option, kind, bytes, launch mark, completion mark]]
-        self.launches: dict[str, list] = {}  # option -> [(bucket index, host seconds of its plan's launch)] in the trial
+        self.launches: dict[str, list] = {}  # trial: option -> [(bucket index, host seconds of its plan's launch)]
 
     def hook_called(self, seconds: float) -> None:
         """A plain warm-up call of the hook took `seconds` on backward's thread beyond launching its allreduce: the

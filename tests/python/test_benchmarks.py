@@ -194,6 +194,15 @@ def test_hierarchical_quick_mode_counts_the_bytes_each_node_sends(tmp_path):
     assert (tmp_path / "hierarchical_quick.png").read_bytes()[:8] == PNG_MAGIC
 
 
+def test_policy_times_steps_one_of_each_in_turn_or_in_blocks_of_a_configurations_own():
+    policy = load_benchmark("policy.py")
+    assert policy.turns(6, 1) == [1] * 6  # the default: one timed step of each configuration in turn
+    assert policy.turns(7, 3) == [3, 3, 1]  # --block 3: 7 timed steps each, 3 in a row (after one untimed) per turn
+    assert policy.parse_args(["--block", "4"]).block == 4
+    with pytest.raises(SystemExit):
+        policy.parse_args(["--block", "0"])
+
+
 @needs_shaping
 def test_policy_quick_mode_times_every_option_and_the_policy(tmp_path):
     out = run_script(BENCHMARKS / "policy.py", "--quick", "--out", tmp_path)
