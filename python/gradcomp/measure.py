@@ -390,7 +390,7 @@ def needed_links(options, codec) -> dict[str, list[str]]:
     return needed
 
 
-def least_over_ranks(figures: dict[str, float], names: list[str], group, device: torch.device) -> dict[str, float]:
+def least_over_ranks(figures: dict, names: list, group, device: torch.device) -> dict:
     """Per name (of those given, in one order on every rank), the least of the ranks' figures (one allreduce, alike on
     every rank); a name that any rank lacks is left out."""
     values = [x for name in names for x in ((-figures[name], 0.0) if name in figures else (0.0, 1.0))]  # MAX of -x
@@ -404,8 +404,7 @@ def least_over_ranks(figures: dict[str, float], names: list[str], group, device:
 def last_ranks_window(windows: dict[int, float], steps: list[int], group, device: torch.device) -> float | None:
     """The median over `steps` (the same on every rank) of the least of the ranks' windows there (one allreduce), the
     last rank's through backward (see combine); None where no step has a window on every rank."""
-    least = least_over_ranks({str(step): w for step, w in windows.items()}, [str(step) for step in steps], group,
-                             device)
+    least = least_over_ranks(windows, steps, group, device)
     return statistics.median(least.values()) if least else None
 
 

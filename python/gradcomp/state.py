@@ -613,12 +613,11 @@ class CompressionState(StateCheckpoints):
         for option, factor in self._timings.launch_loads(self._decision).items():
             mine.setdefault(option, {})["encode"] = factor
         compressed = [o for o in self._decision["options"] if o != PlainBucket.scheme]  # plain: its window, below
-        names = [f"{option}/{kind}" for option in compressed for kind in (*time_policy.KINDS, "encode")]
-        least = measure.least_over_ranks({f"{option}/{kind}": factor for option, kinds in mine.items()
+        names = [(option, kind) for option in compressed for kind in (*time_policy.KINDS, "encode")]
+        least = measure.least_over_ranks({(option, kind): factor for option, kinds in mine.items()
                                           for kind, factor in kinds.items()}, names, step.group, device)
         loads: dict[str, dict[str, float]] = {}
-        for name, factor in least.items():
-            option, kind = name.split("/")
+        for (option, kind), factor in least.items():
             loads.setdefault(option, {})[kind] = factor
         trial = self._decision["trial"]
         plain = policy_trial.all_plain(trial)
