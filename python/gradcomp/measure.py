@@ -118,9 +118,10 @@ class WarmupTimings:
         return lambda: entry.__setitem__(4, self.clock.mark())
 
     def collective_seconds(self, step: int) -> list[tuple]:
-        """The trial's timed collectives of step `step` in launch order, each (option, kind, bytes, seconds): from its
-        launch, or from the completion of the one before it where that came later (they go one at a time), to its
-        completion; seconds None for one issued before the step's last bucket's hook call (during backward: the
+        """The trial's timed collectives of step `step` in completion order, each (option, kind, bytes, seconds): from
+        its launch, or from the completion before its own where that came later, to its completion: the link's busy
+        time split between them, also where the backend runs several at once and they end out of launch order (gloo
+        runs two); seconds None for one issued before the step's last bucket's hook call (during backward: the
         exposed time is made of those after it), or where any of the step's collectives did not complete."""
         entries, calls = self.collectives.get(step, []), self.steps.get(step)
         if not entries:
@@ -130,9 +131,9 @@ class WarmupTimings:
         origin = entries[0][3]
         at = lambda mark: self.clock.seconds(origin, mark)  # noqa: E731 - CUDA events order by elapsed time
         backward_done, previous_end, timed = at(calls[-1][1]), -math.inf, []
-        for option, kind, nbytes, launched, completed in sorted(entries, key=lambda entry: at(entry[3])):
+        for option, kind, nbytes, launched, completed in sorted(entries, key=lambda entry: at(entry[4])):
             seconds = at(completed) - max(at(launched), previous_end)
-            previous_end = max(previous_end, at(completed))
+            previous_end = at(completed)
             timed.append((option, kind, nbytes, seconds if at(launched) >= backward_done else None))
         return timed
 

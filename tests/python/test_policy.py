@@ -218,8 +218,8 @@ def test_the_hooks_own_time_is_the_median_of_the_warm_ups_calls():
 
 
 def test_the_trials_collectives_give_each_option_and_kind_its_load_from_launch_or_the_one_before_to_completion():
-    """Each timed collective's seconds run from its launch, or from the completion of the one before it where that
-    came later, to its completion; per option and kind, the median of those over the probes' time at its size, of the
+    """Each timed collective's seconds run from its launch, or from the completion before its own where that came
+    later, to its completion (in completion order: gloo runs two at once, which may end out of launch order); per option and kind, the median of those over the probes' time at its size, of the
     collectives issued from the step's last hook call on (after backward). A step with a collective that never
     completed, and a kind with no probes, count for nothing."""
     timings = measure.WarmupTimings()
@@ -242,6 +242,12 @@ def test_the_trials_collectives_give_each_option_and_kind_its_load_from_launch_o
     assert loads["allgather"] == {"all-gather": pytest.approx(4.0)}  # no allreduce curve: left out
     del timings.steps[7]
     assert timings.trial_windows([7, 8, 9]) == {8: pytest.approx(0.01)}  # the last call to the last completion
+    # launched all-gather first, all-to-all second, ended the other way round: each 2 ms of the 5 ms busy, none below 0
+    timings.steps[10] = [(0, 39.0), (1, 40.0)]
+    timings.collectives[10] = [["two-phase", "all-gather", 100, 40.0, 40.005],
+                               ["two-phase", "all-to-all", 1000, 40.001, 40.003]]
+    assert [(kind, s) for _, kind, _, s in timings.collective_seconds(10)] == [
+        ("all-to-all", pytest.approx(2e-3)), ("all-gather", pytest.approx(2e-3))]
 
 
 def test_after_the_trial_each_compressed_options_collectives_are_taken_at_their_own_loads():
