@@ -44,13 +44,15 @@ class Clock:
 
 
 class WarmupTimings:
-    """What the plain warm-up steps show: when each bucket's hook was called (backward's progress), when each plain
-    allreduce completed, and how long each call took beyond launching it; and each step's start, there and during the
-    trial (gradcomp.trial). Kept in memory only: a decision is taken once, and saved."""
+    """What the plain warm-up steps show: when each bucket's hook was called and when it returned (backward's own
+    progress is the calls less the time inside the ones before), when each plain allreduce completed, and how long
+    each call took beyond launching it; and each step's start, there and during the trial (gradcomp.trial). Kept in
+    memory only: a decision is taken once, and saved."""
 
     def __init__(self):
         self.clock = None
         self.steps: dict[int, list] = {}  # step -> [(bucket index, mark)] in launch order
+        self.returns: dict[int, dict] = {}  # step -> {bucket index: the mark of its hook call's return}
         self.allreduces: dict[int, list] = {}  # step -> per launched allreduce, [its completion's mark] once done
         self.starts: dict[int, Any] = {}  # step -> the mark of its first bucket's hook call
         self.hook_calls: list[float] = []  # host seconds of each plain hook call beyond its allreduce's launch
@@ -74,6 +76,29 @@ class WarmupTimings:
         self.steps.setdefault(step, []).append((index, mark))
         self.starts.setdefault(step, mark)
 
+    def bucket_returned(self, step: int, index: int) -> None:
+        """The hook's call for a bucket marked by bucket_called returns: backward was held up in between (on a GPU,
+        its stream: the marks are events on it)."""
+        if self.clock is not None and step in self.steps:
+            self.returns.setdefault(step, {})[index] = self.clock.mark()
+
+    def _held(self, step: int) -> list[float] | None:
+        """Per hook call of `step`, in call order, the seconds from the call to its return; None unless every call
+        of the step returned."""
+        calls, returns = self.steps.get(step) or [], self.returns.get(step, {})
+        if not calls or any(index not in returns for index, _ in calls):
+            return None
+        return [self.clock.seconds(mark, returns[index]) for index, mark in calls]
+
+    def _window(self, step: int, end) -> float | None:
+        """From where backward would have called the step's last bucket's hook, had no call held it up (the last
+        call less the time inside the calls before it), to the mark `end`: what the step spent beyond backward
+        without communication. None where a call did not return."""
+        held = self._held(step)
+        if held is None:
+            return None
+        return max(0.0, self.clock.seconds(self.steps[step][-1][1], end)) + sum(held[:-1])
+
     def allreduce_launched(self, step: int):
         """Returns what the allreduce's completion callback calls (on the stream that waits for it, on a GPU)."""
         if self.clock is None or step not in self.steps:
@@ -94,18 +119,26 @@ class WarmupTimings:
         return {s: self.clock.seconds(mark, self.starts[s + 1]) for s, mark in self.starts.items()
                 if s + 1 in self.starts}
 
-    def ready_offsets(self, indices: list[int]) -> list[float] | None:
-        """Per bucket (in the order given), the median over the warm-up steps of its hook call after the first's;
-        None where no step called every one of them."""
-        offsets = []
-        for marks in self.steps.values():
-            by_index = dict(marks)
-            if set(indices) <= set(by_index):
-                first = marks[0][1]
-                offsets.append([self.clock.seconds(first, by_index[i]) for i in indices])
+    def ready_offsets(self, indices: list[int]) -> tuple[list[float], list[float]] | None:
+        """Per bucket (in the order given), the medians over the warm-up steps that called and returned every one
+        of them of (its hook call after the first's, less the time inside the calls between: backward's own pace;
+        its own call's time to return: plain's work on backward's thread, its division and launch); None where no
+        step did."""
+        offsets, held_per_step = [], []
+        for step, marks in self.steps.items():
+            held, by_index = self._held(step), dict(marks)
+            if held is None or not set(indices) <= set(by_index):
+                continue
+            held_by_index = {index: seconds for (index, _), seconds in zip(marks, held)}
+            before, total = {}, 0.0
+            for (index, _), seconds in zip(marks, held):
+                before[index], total = total, total + seconds
+            offsets.append([self.clock.seconds(marks[0][1], by_index[i]) - before[i] for i in indices])
+            held_per_step.append([held_by_index[i] for i in indices])
         if not offsets:
             return None
-        return [statistics.median(column) for column in zip(*offsets)]
+        return [statistics.median(column) for column in zip(*offsets)], \
+            [statistics.median(column) for column in zip(*held_per_step)]
 
     def collective_launched(self, option: str, step: int, kind: str, nbytes: int, device: torch.device):
         """A collective of a bucket sent as `option` in the trial's step `step` (of nbytes per rank, as the cost
@@ -175,16 +208,18 @@ class WarmupTimings:
         return loads
 
     def trial_windows(self, steps) -> dict[int, float]:
-        """Per step given (the trial's steps of the candidate that sends every bucket plain) whose collectives all
-        completed, from its last bucket's hook call to its last collective's completion: the plain window, as
-        plain_windows reads the warm-up's."""
+        """Per step given (the trial's steps of the candidate that sends every bucket plain) whose calls all returned
+        and collectives all completed, to its last collective's completion: the plain window, as plain_windows reads
+        the warm-up's."""
         windows = {}
         for step in steps:
             calls, entries = self.steps.get(step), self.collectives.get(step)
             if not calls or not entries or any(entry[4] is None for entry in entries):
                 continue
-            last_call = calls[-1][1]
-            windows[step] = max(0.0, max(self.clock.seconds(last_call, entry[4]) for entry in entries))
+            last = max((entry[4] for entry in entries), key=lambda mark: self.clock.seconds(calls[0][1], mark))
+            window = self._window(step, last)
+            if window is not None:
+                windows[step] = window
         return windows
 
     def _last_completion(self, step: int):
@@ -196,13 +231,15 @@ class WarmupTimings:
         return max(ends, key=lambda mark: self.clock.seconds(ends[0], mark))  # CUDA events order by elapsed time
 
     def plain_windows(self) -> dict[int, float]:
-        """Per warm-up step whose allreduces all completed (step -> seconds), from its last bucket's hook call to its
-        last allreduce's completion: the plain step's communication beyond backward, as the model predicts it."""
+        """Per warm-up step whose calls all returned and allreduces all completed (step -> seconds), to its last
+        allreduce's completion (_window): the plain step's communication beyond backward, as the model predicts it
+        (plain's calls are its encodes there: ready_offsets)."""
         windows = {}
         for step in self.allreduces:
             last = self._last_completion(step)
-            if last is not None:
-                windows[step] = max(0.0, self.clock.seconds(self.steps[step][-1][1], last))
+            window = None if last is None else self._window(step, last)
+            if window is not None:
+                windows[step] = window
         return windows
 
     def computes(self) -> dict[int, float]:

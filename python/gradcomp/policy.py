@@ -12,9 +12,11 @@ The model
         uses per-element kernel costs instead, measured or stated); and the hook's own work per call (its step,
         stats and checks: the "hook" kernel), which the warm-up's plain calls show beyond their allreduce's launch
         (host seconds on the CPU; none on a GPU, where the host runs ahead of the device), added to each compressed
-        option's encode: backward's offsets below hold it for the plain calls, a dry run does not;
+        option's encode, as a dry run does not hold it. Plain's encode is its calls' own time in the warm-up (the
+        hook, its division by the world size and its allreduce's launch, on backward's thread or stream);
     overlap with backward: DDP launches bucket i when backward has produced it, at offset r_i after the first (the
-        warm-up steps' hook calls). Collectives go one at a time in launch order (where the backend runs several at
+        warm-up steps' hook calls, less the time inside the calls before it: backward's own pace, which every
+        option's encodes then delay). Collectives go one at a time in launch order (where the backend runs several at
         once they share the link, which ends the last of them no sooner); a bucket's encode runs on the
         hook's thread (the backward's stream on a GPU), as does the hierarchical scheme's reduce-scatter inside the
         node (waited for there; below, part of encode_i), so it delays the buckets after it. What a step costs beyond
@@ -30,11 +32,12 @@ The model
         choice leaves it plain.
     load: the warm-up's plain steps, whose allreduces are of the real buckets, show what a step adds to the probes.
         Every rank leaves a step together (its last allreduce ends once every rank's part is in), so the least of
-        the ranks' windows (a rank's last bucket's hook call to its last allreduce's completion) is the last rank's
-        through backward: the plain queue beyond the slowest rank's backward. Collectives run slower there than
-        their probes alone where the cores are shared with backward and the other ranks, or uneven between the
-        ranks: every collective's time is taken at the factor, link_load, that makes the plain queue end where that
-        window did (the kernels' dry-run times as measured).
+        the ranks' windows (from where a rank's backward would have called the last bucket's hook had no call held it
+        up, to its last allreduce's completion) is the last rank's through backward: the plain queue beyond the
+        slowest rank's backward. Collectives run slower there than their probes alone where the cores are shared
+        with backward and the other ranks, or uneven between the ranks: every collective's time is taken at the
+        factor, link_load, that makes the plain queue end where that window did (the kernels' dry-run times as
+        measured).
     skew: how long a rank through backward early waits for the last one (the ranks' spread of the time from the step
         before's end to their last hook call, no more than the windows' spread), reported beside the predictions and
         not in them: every option's step waits it, and it is the ranks' compute, not communication.
@@ -307,10 +310,10 @@ def candidates(codec, scheme_option: str, two_levels: bool) -> list[str]:
 def option_costs(model: CostModel, options, codec, shapes, dtype: torch.dtype, world: int, node_size,
                  measured: dict | None = None) -> dict:
     """Each option's Cost for a bucket of these shapes. measured: {option: (encode, middle, decode)} seconds of the
-    plan's own launch (time_plan), which then stand for the kernels (the model's kernels are left out: zero). The
-    model's "hook" kernel, the hook's own seconds per call beyond what it launches, is added to every compressed
-    option's encode: the warm-up's plain calls, whose time is in backward's offsets, took it too, but a plan's dry run
-    does not."""
+    plan's own launch (time_plan), or for plain its calls' time in the warm-up, which then stand for the kernels (the
+    model's kernels are left out: zero). The model's "hook" kernel, the hook's own seconds per call beyond what it
+    launches, is added to every compressed option's encode: the warm-up's plain calls held it too, but a plan's dry
+    run does not."""
     numel = sum(torch.Size(s).numel() for s in shapes)
     hook = model.kernel("hook", 0)
     if measured:

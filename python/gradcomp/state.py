@@ -244,7 +244,7 @@ class CompressionState(StateCheckpoints):
     # -- the hook --------------------------------------------------------------------------------------------------
 
     def communicate(self, bucket: dist.GradBucket) -> torch.futures.Future:
-        entered, launch_seconds = time.perf_counter(), None
+        entered, launch_seconds, marked = time.perf_counter(), None, None
         try:
             self._meet_model(bucket)
             if not self._verified:
@@ -262,9 +262,11 @@ class CompressionState(StateCheckpoints):
                 self._record_layout(bucket, buffer)
             if timed:
                 self._timings.bucket_called(self.iter, bucket.index(), buffer.device)
+                marked = self.iter
             if self._current["buckets"] == 1 and self.policy == "time" and not starting:
                 self._follow_trial(step, buffer)
             trial_option = self._timed_in_trial(step, bucket, buffer) if compressible and not starting else None
+            marked = self.iter if trial_option is not None else marked
             launching = time.perf_counter()
             if not compressible:
                 future = self._plain(step, buffer)
@@ -303,6 +305,8 @@ class CompressionState(StateCheckpoints):
             self._end_step()
         if timed and launch_seconds is not None and buffer.device.type == "cpu":
             self._timings.hook_called(time.perf_counter() - entered - launch_seconds)
+        if marked is not None:  # the step's, though the last bucket's call has ended it
+            self._timings.bucket_returned(marked, bucket.index())
         return future
 
     def _ddp_model(self):
@@ -528,7 +532,8 @@ class CompressionState(StateCheckpoints):
             ((self._decision or {}).get("trial") or {}).get("plain_step_s")  # re-measured: as the warm-up showed
         if self._decision is None:
             links = measure.measure_links(needed, groups, largest, buffer.device, clock)
-            ready = self._timings.ready_offsets([b["index"] for b in buckets])
+            paced = self._timings.ready_offsets([b["index"] for b in buckets])
+            ready, plain_calls = paced if paced is not None else (None, [0.0] * len(buckets))
             by_step, computes = self._timings.plain_windows(), self._timings.computes()
             windows = [(by_step.get(s), computes.get(s)) for s in range(1, self.start_iter)]  # alike on every rank
         else:  # re-measured: the links and kernels anew, the backward's pace and plain's window as the warm-up showed
@@ -536,9 +541,14 @@ class CompressionState(StateCheckpoints):
             saved = {b["index"]: b["ready_s"] for b in self._decision["buckets"]}
             ready = [saved[b["index"]] for b in buckets] if all(b["index"] in saved for b in buckets) and \
                 self._decision["overlap_measured"] else None
+            calls = {b["index"]: b["predicted_s"][PlainBucket.scheme][0] for b in self._decision["buckets"]}
+            plain_calls = [calls.get(b["index"], 0.0) for b in buckets]
             windows = None
         node_size = self._nodes.node_size if two_levels else None
-        measured = self._time_plans(step, buffer, buckets, [o for o in options if o != "plain"], clock)
+        dry_runs = self._time_plans(step, buffer, buckets, [o for o in options if o != "plain"], clock)
+        # plain's encode: its own calls' time in the warm-up (its division and launch, on backward's thread)
+        measured = [{**per_option, PlainBucket.scheme: (seconds, 0.0, 0.0)}
+                    for per_option, seconds in zip(dry_runs, plain_calls)]
         hook = self._timings.hook_seconds() if self._decision is None else \
             time_policy.saved_hook_seconds(self._decision)  # re-measured: as the warm-up showed
         model, ready, measured, window, skew = measure.combine(

@@ -82,15 +82,34 @@ def test_the_load_makes_the_plain_queue_end_where_the_warm_ups_plain_steps_did()
     assert Cost(1.0, 2.0, 3.0, 4.0, 5.0, 6.0).loaded(2.0) == Cost(1.0, 4.0, 3.0, 4.0, 10.0, 12.0)
 
 
-def test_the_plain_window_runs_from_the_last_bucket_to_the_last_allreduce():
+def test_the_plain_window_runs_from_backwards_end_without_the_hook_to_the_last_allreduce():
     timings = measure.WarmupTimings()
     timings.clock = measure.Clock(torch.device("cpu"))
-    # step 1: buckets called at 0 and 5; allreduces end at 4 and 12: 7 after the last call. step 2: one never ended.
-    timings.steps = {1: [(0, 0.0), (1, 5.0)], 2: [(0, 20.0), (1, 26.0)]}
-    timings.allreduces = {1: [[12.0], [4.0]], 2: [[30.0], []]}
-    assert timings.plain_windows() == {1: 7.0}
+    # step 1: buckets called at 0 and 5, their calls returning at 1 and 5.5; allreduces end at 4 and 12: 7 after the
+    # last call, and 1 more inside the first call, which held backward up (without it, the last call came at 4).
+    # step 2: one allreduce never ended. step 3: one call never returned (it raised).
+    timings.steps = {1: [(0, 0.0), (1, 5.0)], 2: [(0, 20.0), (1, 26.0)], 3: [(0, 40.0), (1, 45.0)]}
+    timings.returns = {1: {0: 1.0, 1: 5.5}, 2: {0: 21.0, 1: 26.5}, 3: {1: 45.5}}
+    timings.allreduces = {1: [[12.0], [4.0]], 2: [[30.0], []], 3: [[50.0], [51.0]]}
+    assert timings.plain_windows() == {1: 8.0}
     # Step 2's compute: from step 1's last allreduce's end (12) to its own last bucket's hook call (26).
     assert timings.computes() == {2: 14.0}
+
+
+def test_backwards_offsets_leave_out_the_time_inside_the_hook_calls_before_and_give_plain_its_calls_time():
+    """A bucket's offset is its hook call after the first, less the time inside the calls between (backward's own
+    pace); plain's own time per bucket is its call's; each the median over the steps whose calls all returned."""
+    timings = measure.WarmupTimings()
+    timings.clock = measure.Clock(torch.device("cpu"))
+    timings.steps = {1: [(0, 0.0), (1, 5.0), (2, 9.0)], 2: [(0, 20.0), (1, 24.0), (2, 30.0)],
+                     3: [(0, 40.0), (1, 41.0), (2, 42.0)]}
+    timings.returns = {1: {0: 1.0, 1: 5.5, 2: 9.2}, 2: {0: 20.5, 1: 25.5, 2: 30.4}, 3: {0: 40.1, 2: 42.1}}
+    offsets, held = timings.ready_offsets([0, 1, 2])
+    # step 1: 0, 5 - 1, 9 - 1.5; step 2: 0, 4 - 0.5, 10 - 2; step 3 left out (bucket 1's call never returned)
+    assert offsets == pytest.approx([0.0, (4.0 + 3.5) / 2, (7.5 + 8.0) / 2])
+    assert held == pytest.approx([(1.0 + 0.5) / 2, (0.5 + 1.5) / 2, (0.2 + 0.4) / 2])
+    assert timings.ready_offsets([2, 0]) == (pytest.approx([7.75, 0.0]), pytest.approx([0.3, 0.75]))
+    assert timings.ready_offsets([0, 3]) is None  # no step called bucket 3
 
 
 def test_the_ranks_windows_give_the_last_ranks_window_and_the_wait_for_it_through_backward():
@@ -192,8 +211,8 @@ def test_the_options_costs_follow_the_bytes_each_scheme_sends():
 
 
 def test_the_hooks_own_time_per_call_is_added_to_each_compressed_options_encode_not_to_plains():
-    """The warm-up's plain hook calls held backward's thread for the hook's own work too (their time is in backward's
-    offsets), a plan's dry run does not: the model's "hook" seconds go on each compressed option's encode, once per
+    """The warm-up's plain hook calls held backward's thread for the hook's own work too (their time is plain's
+    encode), a plan's dry run does not: the model's "hook" seconds go on each compressed option's encode, once per
     bucket, measured kernels or not, and never on plain's."""
     links = {f"world/{kind}": Line(0.0, 1e-9) for kind in time_policy.KINDS}
     codec, shapes, options = gradcomp.codec("signsgd"), [(1000,)], ["plain", "allgather", "two-phase"]
@@ -241,7 +260,10 @@ def test_the_trials_collectives_give_each_option_and_kind_its_load_from_launch_o
     assert loads["two-phase"]["all-gather"] == pytest.approx((2 + 3) / 2)  # 1 ms and 1.5 ms against 0.5 ms
     assert loads["allgather"] == {"all-gather": pytest.approx(4.0)}  # no allreduce curve: left out
     del timings.steps[7]
-    assert timings.trial_windows([7, 8, 9]) == {8: pytest.approx(0.01)}  # the last call to the last completion
+    assert timings.trial_windows([7, 8, 9]) == {}  # no call marked as returned
+    timings.returns = {8: {0: 19.001, 1: 20.0005}, 9: {0: 29.001, 1: 30.0005}}
+    # the last call to the last completion, and the 1 ms inside the call before it
+    assert timings.trial_windows([7, 8, 9]) == {8: pytest.approx(0.011)}
     # launched all-gather first, all-to-all second, ended the other way round: each 2 ms of the 5 ms busy, none below 0
     timings.steps[10] = [(0, 39.0), (1, 40.0)]
     timings.collectives[10] = [["two-phase", "all-gather", 100, 40.0, 40.005],
