@@ -238,9 +238,10 @@ def test_the_hooks_own_time_is_the_median_of_the_warm_ups_calls():
 
 def test_the_trials_collectives_give_each_option_and_kind_its_load_from_launch_or_the_one_before_to_completion():
     """Each timed collective's seconds run from its launch, or from the completion before its own where that came
-    later, to its completion (in completion order: gloo runs two at once, which may end out of launch order); per option and kind, the median of those over the probes' time at its size, of the
-    collectives issued from the step's last hook call on (after backward). A step with a collective that never
-    completed, and a kind with no probes, count for nothing."""
+    later, to its completion (in completion order: gloo runs two at once, which may end out of launch order); per
+    option and kind, the median of those over the probes' time at its size, of the collectives issued from the
+    step's last hook call on (after backward). A step with a collective that never completed, and a kind with no
+    probes, count for nothing."""
     timings = measure.WarmupTimings()
     timings.clock = measure.Clock(torch.device("cpu"))
     timings.steps = {7: [(0, 9.0), (1, 10.0)], 8: [(0, 19.0), (1, 20.0)], 9: [(0, 29.0), (1, 30.0)]}  # hook calls
