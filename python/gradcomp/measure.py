@@ -216,8 +216,7 @@ class WarmupTimings:
             calls, entries = self.steps.get(step), self.collectives.get(step)
             if not calls or not entries or any(entry[4] is None for entry in entries):
                 continue
-            last = max((entry[4] for entry in entries), key=lambda mark: self.clock.seconds(calls[0][1], mark))
-            window = self._window(step, last)
+            window = self._window(step, self._latest([entry[4] for entry in entries]))
             if window is not None:
                 windows[step] = window
         return windows
@@ -227,8 +226,11 @@ class WarmupTimings:
         completions = self.allreduces.get(step)
         if not completions or not all(completions):
             return None
-        ends = [done[0] for done in completions]
-        return max(ends, key=lambda mark: self.clock.seconds(ends[0], mark))  # CUDA events order by elapsed time
+        return self._latest([done[0] for done in completions])
+
+    def _latest(self, marks: list):
+        """The latest of the clock's marks (CUDA events order by elapsed time, not by value)."""
+        return max(marks, key=lambda mark: self.clock.seconds(marks[0], mark))
 
     def plain_windows(self) -> dict[int, float]:
         """Per warm-up step whose calls all returned and allreduces all completed (step -> seconds), to its last
