@@ -387,7 +387,8 @@ def measure_links(needed: dict[str, list[str]], groups: dict, largest: int, devi
 
 def measure_kernels(codec, sample: torch.Tensor, largest: int, clock: Clock) -> dict[str, Line]:
     """The codec's kernels timed at two sizes (the largest bucket and 1/64 of it), on the gradient in hand tiled to
-    those sizes: encode and decode for the wire-format codecs, the round trip for powersgd."""
+    those sizes: encode and decode for the wire-format codecs, the round trip for powersgd; and plain DDP's division of a bucket by
+    the world size."""
     sizes = sorted({max(1, largest // 64), max(largest, 1)})
     flat = sample.detach().reshape(-1)
     if flat.numel() == 0:
@@ -406,16 +407,17 @@ def measure_kernels(codec, sample: torch.Tensor, largest: int, clock: Clock) -> 
 
 
 def _kernel_runs(codec, data: torch.Tensor) -> dict:
+    out = torch.empty_like(data)
+    divide = lambda: torch.div(data, 2, out=out)  # noqa: E731 - plain's pass: the bucket over the world size
     if isinstance(codec, PowerSGD):
         rows = max(1, int(math.sqrt(data.numel())))
         matrix = data[: rows * (data.numel() // rows)].view(rows, -1)
         q = torch.randn(matrix.shape[1], codec.rank, device=data.device)
-        return {"powersgd": lambda: codec.roundtrip(matrix, None, q)}
+        return {"powersgd": lambda: codec.roundtrip(matrix, None, q), "divide": divide}
     residual = torch.zeros_like(data) if codec.error_feedback else None
     payload = codec.encode(data, None if residual is None else residual.clone())
-    out = torch.empty_like(data)
     return {"encode": lambda: codec.encode(data, None if residual is None else residual.clone()),
-            "decode": lambda: codec.decode_sum(payload.view(1, -1), out, 1.0)}
+            "decode": lambda: codec.decode_sum(payload.view(1, -1), out, 1.0), "divide": divide}
 
 
 def needed_links(options, codec) -> dict[str, list[str]]:

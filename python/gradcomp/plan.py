@@ -11,7 +11,8 @@ L x (W-L)/W of its ranks' data across; inside a node a ring over L ranks at the 
 the L local ranks' groups run at once and share their node's link (or its NICs). Latency: 2 log2(p) message steps
 per allreduce of p ranks, log2(p) per all-gather, p-1 per all-to-all. Kernels: this machine's, measured now on
 random data (--kernels measure, the default), or a stated GPU's (--gpu): memory-bound codec passes at 70% of its
-memory bandwidth, PowerSGD's matrix products at 50% of its dense bf16 rate, 5 us per kernel launch. Overlap with
+memory bandwidth, PowerSGD's matrix products at 50% of its dense bf16 rate, 5 us per kernel launch; plain
+DDP's bucket divided by the world size before its allreduce, one such pass. Overlap with
 backward: the buckets become ready evenly over --backward-ms (0, the default: none hidden, an upper bound).
 powersgd's buckets hold matrices of --layer-shape (default: square ones of the bucket's size).
 """
@@ -64,12 +65,15 @@ def cluster_links(nodes: int, per_node: int, inter_bytes_s: float, intra_bytes_s
 
 def gpu_kernels(codec, gpu: str, dtype: torch.dtype) -> dict[str, time_policy.Line]:
     """A stated GPU's kernel costs: encode reads the gradient and residual and writes the residual and payload (about
-    3 passes), a decode reads a payload and updates the output (about 2); PowerSGD 6 x rank flop per element."""
+    3 passes), a decode reads a payload and updates the output (about 2); PowerSGD 6 x rank flop per element; plain
+    DDP's division by the world size reads and writes the bucket (2)."""
     memory, matmul = GPU_PROFILES[gpu]
     per_pass = dtype.itemsize / (MEMORY_EFFICIENCY * memory)
+    divide = time_policy.Line(LAUNCH_S, 2 * per_pass)
     if isinstance(codec, PowerSGD):
-        return {"powersgd": time_policy.Line(4 * LAUNCH_S, 6 / (MATMUL_EFFICIENCY * matmul))}
-    return {"encode": time_policy.Line(2 * LAUNCH_S, 3 * per_pass), "decode": time_policy.Line(LAUNCH_S, 2 * per_pass)}
+        return {"powersgd": time_policy.Line(4 * LAUNCH_S, 6 / (MATMUL_EFFICIENCY * matmul)), "divide": divide}
+    return {"encode": time_policy.Line(2 * LAUNCH_S, 3 * per_pass), "decode": time_policy.Line(LAUNCH_S, 2 * per_pass),
+            "divide": divide}
 
 
 def measured_kernels(codec, largest: int, dtype: torch.dtype) -> dict[str, time_policy.Line]:
@@ -99,7 +103,9 @@ def buckets_of(params: float, bucket_mb: float, dtype: torch.dtype, layer_shape)
 
 def predict(codec, buckets: list[dict], links: dict, kernels: dict, nodes: int, per_node: int,
             backward_s: float) -> dict:
-    """Predicted exposed communication per step (seconds) of plain DDP, of the codec under each option fixed for
+    """Predicted exposed communication per step (seconds) of plain DDP ("plain DDP": no hook, which divides by the
+    world size as it copies the gradients into the bucket; "plain": the same allreduces through a communication hook,
+    which divides in a pass of its own, as gradcomp's plain buckets do), of the codec under each option fixed for
     every bucket, and of the policy's choice; with the policy's choices."""
     world = nodes * per_node
     model = time_policy.CostModel(links, kernels)
@@ -109,7 +115,9 @@ def predict(codec, buckets: list[dict], links: dict, kernels: dict, nodes: int, 
     chosen = {}
     for bucket in decision["buckets"]:
         chosen[bucket["choice"]] = chosen.get(bucket["choice"], 0) + 1
-    return {"predicted_s": decision["predicted_exposed_s"], "choices": chosen}
+    without_hook = time_policy.exposed(ready, [time_policy.Cost(0.0, *bucket["predicted_s"]["plain"][1:])
+                                               for bucket in decision["buckets"]])
+    return {"predicted_s": {"plain DDP": without_hook, **decision["predicted_exposed_s"]}, "choices": chosen}
 
 
 def parse_args(argv):
@@ -172,9 +180,11 @@ def main(argv=None) -> int:
         kernels = gpu_kernels(codec, args.gpu, dtype) if args.gpu else measured_kernels(codec, largest, dtype)
         result = predict(codec, buckets, links, kernels, args.nodes, args.gpus_per_node, args.backward_ms * 1e-3)
         predicted = result["predicted_s"]
-        plain = predicted["plain"]
-        rows = [("plain DDP", "allreduce", plain)] if spec == specs[0] else []
-        rows += [(spec, option, seconds) for option, seconds in predicted.items() if option not in ("plain", "policy")]
+        plain = predicted["plain DDP"]
+        rows = [("plain DDP", "allreduce", plain), ("plain DDP", "allreduce in a comm hook", predicted["plain"])] \
+            if spec == specs[0] else []
+        rows += [(spec, option, seconds) for option, seconds in predicted.items()
+                 if option not in ("plain DDP", "plain", "policy")]
         choices = ", ".join(f"{n} {o}" for o, n in sorted(result["choices"].items()))
         rows.append((spec, f"policy='time' ({choices})", predicted["policy"]))
         for name, option, seconds in rows:

@@ -9,7 +9,7 @@ The model
     compute: each option's plan launched on the gradient in hand (tiled to the bucket's size) with local collectives
         (gradcomp.measure's DryStep), timed per bucket shape on this device and dtype: the codec's kernels and all
         the plan does around them, split at the first collective into encode and decode (the planner, gradcomp.plan,
-        uses per-element kernel costs instead, measured or stated); and the hook's own work per call (its step,
+        uses per-element kernel costs instead, measured or stated, plain's division by the world size among them); and the hook's own work per call (its step,
         stats and checks: the "hook" kernel), which the warm-up's plain calls show beyond their allreduce's launch
         (host seconds on the CPU; none on a GPU, where the host runs ahead of the device), added to each compressed
         option's encode, as a dry run does not hold it. Plain's encode is its calls' own time in the warm-up (the
@@ -254,8 +254,8 @@ class CostModel:
         """A bucket under a flat scheme among `ranks` ranks at `level`."""
         if ranks == 1:
             return Cost(0.0, 0.0, 0.0)
-        if scheme == "plain":
-            return Cost(0.0, self.link(level, "allreduce", numel * dtype.itemsize), 0.0)
+        if scheme == "plain":  # its division by the world size on the hook's thread, then the allreduce
+            return Cost(self.kernel("divide", numel), self.link(level, "allreduce", numel * dtype.itemsize), 0.0)
         if scheme == "powersgd":
             p, q = PowerSGDBucket.summed_numels(codec, shapes)
             return Cost(0.0, self.link(level, "allreduce", 4 * p), self.kernel("powersgd", numel * codec.rank),
