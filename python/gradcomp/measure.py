@@ -387,8 +387,8 @@ def measure_links(needed: dict[str, list[str]], groups: dict, largest: int, devi
 
 def measure_kernels(codec, sample: torch.Tensor, largest: int, clock: Clock) -> dict[str, Line]:
     """The codec's kernels timed at two sizes (the largest bucket and 1/64 of it), on the gradient in hand tiled to
-    those sizes: encode and decode for the wire-format codecs, the round trip for powersgd; and plain DDP's division of a bucket by
-    the world size."""
+    those sizes: encode and decode for the wire-format codecs, the round trip for powersgd; and plain DDP's division
+    of a bucket by the world size."""
     sizes = sorted({max(1, largest // 64), max(largest, 1)})
     flat = sample.detach().reshape(-1)
     if flat.numel() == 0:

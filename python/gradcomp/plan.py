@@ -11,9 +11,10 @@ L x (W-L)/W of its ranks' data across; inside a node a ring over L ranks at the 
 the L local ranks' groups run at once and share their node's link (or its NICs). Latency: 2 log2(p) message steps
 per allreduce of p ranks, log2(p) per all-gather, p-1 per all-to-all. Kernels: this machine's, measured now on
 random data (--kernels measure, the default), or a stated GPU's (--gpu): memory-bound codec passes at 70% of its
-memory bandwidth, PowerSGD's matrix products at 50% of its dense bf16 rate, 5 us per kernel launch; plain
-DDP's bucket divided by the world size before its allreduce, one such pass. Overlap with
-backward: the buckets become ready evenly over --backward-ms (0, the default: none hidden, an upper bound).
+memory bandwidth, PowerSGD's matrix products at 50% of its dense bf16 rate, 5 us per kernel launch; plain DDP's
+bucket divided by the world size before its allreduce through a comm hook, one such pass (DDP without a hook
+divides as it copies the gradients into the bucket: the "plain DDP allreduce" row). Overlap with backward: the
+buckets become ready evenly over --backward-ms (0, the default: none hidden, an upper bound).
 powersgd's buckets hold matrices of --layer-shape (default: square ones of the bucket's size).
 """
 

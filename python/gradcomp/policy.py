@@ -9,11 +9,12 @@ The model
     compute: each option's plan launched on the gradient in hand (tiled to the bucket's size) with local collectives
         (gradcomp.measure's DryStep), timed per bucket shape on this device and dtype: the codec's kernels and all
         the plan does around them, split at the first collective into encode and decode (the planner, gradcomp.plan,
-        uses per-element kernel costs instead, measured or stated, plain's division by the world size among them); and the hook's own work per call (its step,
-        stats and checks: the "hook" kernel), which the warm-up's plain calls show beyond their allreduce's launch
-        (host seconds on the CPU; none on a GPU, where the host runs ahead of the device), added to each compressed
-        option's encode, as a dry run does not hold it. Plain's encode is its calls' own time in the warm-up (the
-        hook, its division by the world size and its allreduce's launch, on backward's thread or stream);
+        uses per-element kernel costs instead, measured or stated, plain's division by the world size among them);
+        and the hook's own work per call (its step, stats and checks: the "hook" kernel), which the warm-up's plain
+        calls show beyond their allreduce's launch (host seconds on the CPU; none on a GPU, where the host runs ahead
+        of the device), added to each compressed option's encode, as a dry run does not hold it. Plain's encode is
+        its calls' own time in the warm-up (the hook, its division by the world size and its allreduce's launch, on
+        backward's thread or stream);
     overlap with backward: DDP launches bucket i when backward has produced it, at offset r_i after the first (the
         warm-up steps' hook calls, less the time inside the calls before it: backward's own pace, which every
         option's encodes then delay). Collectives go one at a time in launch order (where the backend runs several at
