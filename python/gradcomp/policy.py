@@ -56,8 +56,9 @@ Those steps also time what the probes and dry runs cannot: each compressed optio
 inside its own steps, and plain's window among the other candidates' steps; after the verdict the predictions are
 taken again at those loads (in_step), which explain() shows beside the decision's.
 Known limits (benchmarks/README.md, policy.py): compute on the collectives' callbacks is taken to hold the link, not
-to slow backward or the encodes beside it (where a rank has one core to itself, it does); the load is one factor
-for every collective, measured on the plain allreduces only.
+to slow backward or the encodes beside it (where a rank has one core to itself, it does; after the trial, whose
+collective times hold it, an option's decodes run beside the link: in_step); the load is one factor for every
+collective, measured on the plain allreduces only.
 On a GPU every time is a pair of CUDA events, read at the decision and at each of the trial's verdicts (one sync
 each), none per step.
 """
@@ -331,22 +332,34 @@ def option_costs(model: CostModel, options, codec, shapes, dtype: torch.dtype, w
     return {o: cost(o) for o in options}
 
 
-def exposed(ready: list[float], costs: list[Cost]) -> float:
+def exposed(ready: list[float], costs: list[Cost], decodes_beside: list[bool] | None = None) -> float:
     """Seconds a step spends beyond backward without communication (the queue in the module's docstring); ready:
-    each bucket's offset after the first, in launch order."""
+    each bucket's offset after the first, in launch order. decodes_beside: per bucket, whether its decode runs beside
+    the collectives after it instead of holding the link (in_step's, for the options whose collectives the trial's
+    steps timed); none by default."""
     if not costs:
         return 0.0
-    delay, free, first_done = 0.0, -math.inf, []
-    for offset, cost in zip(ready, costs):
+    beside = decodes_beside or [False] * len(costs)
+    delay, free, first_done, ends = 0.0, -math.inf, [], []
+    for offset, cost, aside in zip(ready, costs, beside):
         start = max(offset + delay + cost.on_hook_thread, free)
         delay += cost.on_hook_thread
-        free = start + cost.wire + cost.middle + (0.0 if cost.second else cost.decode)
+        free = start + cost.wire + cost.middle
+        if not cost.second:
+            if aside:
+                ends.append(free + cost.decode)
+            else:
+                free += cost.decode
         first_done.append(free)
     launched = ready[-1] + delay  # the hook's thread is through the last bucket: the sequencer's second round
-    for done, cost in zip(first_done, costs):
+    for done, cost, aside in zip(first_done, costs, beside):
         if cost.second:
-            free = max(launched, done, free) + cost.second + cost.decode
-    return max(free - ready[-1], 0.0)
+            free = max(launched, done, free) + cost.second
+            if aside:
+                ends.append(free + cost.decode)
+            else:
+                free += cost.decode
+    return max(max([free, *ends]) - ready[-1], 0.0)
 
 
 def choose(ready: list[float], options: list[dict]) -> list[str]:
@@ -468,7 +481,12 @@ def in_step(decision: dict, loads: dict[str, dict[str, float]], plain_window: fl
             later steps are, where the warm-up's ran one after another);
         any other collective (a kind not timed; the hierarchical scheme's, in groups the trial does not time) as
             decided; the other kernels (decode, middle: on the collectives' callbacks) and backward's offsets as
-            decided.
+            decided;
+        the decodes of an option whose collectives the trial timed beside the link, not holding it (exposed's
+            decodes_beside): a collective's time in the step runs from the completion before it, whose decode runs
+            on the callbacks meanwhile (gloo runs two collectives at once; on a GPU the decode is not on NCCL's
+            stream), so its load already holds what that decode takes from it. Counted on the link as well, they
+            put the allgathers and two-phase at 4 ranks at 1.25-1.5x what they measured.
     JSON-able, kept in the decision; explain() shows it. It changes no choice: the trial measured the steps."""
     load, hook = decision["link_load"], saved_hook_seconds(decision)
     ready = [bucket["ready_s"] for bucket in decision["buckets"]]
@@ -492,11 +510,15 @@ def in_step(decision: dict, loads: dict[str, dict[str, float]], plain_window: fl
                     scaled(cost.second, second_kind), cost.held)
 
     costs = [{o: at_step(o, parts) for o, parts in bucket["predicted_s"].items()} for bucket in decision["buckets"]]
+    timed = {option for option, kinds in loads.items() if set(kinds) - {"encode"}}  # its collectives, in the steps
+
+    def at_loads(names: list[str]) -> float:
+        return exposed(ready, [c[name] for c, name in zip(costs, names)], [name in timed for name in names])
+
     trial = decision.get("trial") or {}
     model_choice = (trial.get("choices") or {}).get(policy_trial.MODEL) or \
         [bucket["choice"] for bucket in decision["buckets"]]  # the buckets' choices follow the trial's candidates
-    predicted = {"policy": exposed(ready, [c[name] for c, name in zip(costs, model_choice)]),
-                 **{o: exposed(ready, [c[o] for c in costs]) for o in decision["options"]}}
+    predicted = {"policy": at_loads(model_choice), **{o: at_loads([o] * len(costs)) for o in decision["options"]}}
     return {"loads": {option: dict(kinds) for option, kinds in loads.items()}, "plain_window_s": plain_window,
             "plain_load": plain_load, "predicted_exposed_s": predicted}
 
@@ -545,7 +567,8 @@ def explain(decision: dict | None, spec: str) -> str:
         predicted = after["predicted_exposed_s"]
         lines.append(f"in the trial's steps, the collectives against their probes and the encodes against their dry "
                      f"runs: {'; '.join(loads)} (the decision took every collective at "
-                     f"{decision['link_load']:.2f}x); predicted at those (ms): "
+                     f"{decision['link_load']:.2f}x); predicted at those, the decodes of the options timed there beside "
+                     f"the link, as their loads hold them (ms): "
                      + ", ".join(f"{o} {predicted[o] * 1e3:.2f}" for o in options)
                      + f", the model's choice {predicted['policy'] * 1e3:.2f}")
     return "\n".join(lines)

@@ -185,6 +185,24 @@ def test_second_round_collectives_wait_for_the_last_bucket_and_queue_behind_the_
     assert time_policy.exposed([0.0], [Cost(0.003, 0.0, 0.0, second=0.001)]) == pytest.approx(0.004)
 
 
+def test_a_decode_beside_the_link_lets_the_next_collective_start_and_ends_the_step_no_sooner_than_itself():
+    # Two buckets ready at 0 and 1 ms, each a 4 ms collective and a 3 ms decode. On the link: 0-4, decode 4-7,
+    # the second 7-11, decode 11-14: 13 ms after backward. Beside it: the second 4-8, its decode 8-11: 10 ms.
+    costs = [Cost(0.0, 0.004, 0.003)] * 2
+    assert time_policy.exposed([0.0, 0.001], costs) == pytest.approx(0.013)
+    assert time_policy.exposed([0.0, 0.001], costs, [True, True]) == pytest.approx(0.010)
+    # A long decode beside the link still ends the step: the first's 20 ms decode ends at 24 ms, after the second.
+    long_first = [Cost(0.0, 0.004, 0.020), Cost(0.0, 0.004, 0.003)]
+    assert time_policy.exposed([0.0, 0.001], long_first, [True, True]) == pytest.approx(0.023)
+    # Per bucket: the first's beside, the second's on the link (nothing after it to wait): 4-8, decode 8-11.
+    assert time_policy.exposed([0.0, 0.001], costs, [True, False]) == pytest.approx(0.010)
+    # Second rounds too. Two two-round buckets, ready at 0: P0 0-1, its middle 1-2, P1 2-3, its middle 3-4; Q0 4-5.
+    # On the link, Q0's 5 ms decode 5-10, Q1 10-11, its decode 11-16. Beside it: Q1 5-6, the decodes end at 10 and 11.
+    two_round = Cost(0.0, 0.001, 0.005, middle=0.001, second=0.001)
+    assert time_policy.exposed([0.0, 0.0], [two_round] * 2) == pytest.approx(0.016)
+    assert time_policy.exposed([0.0, 0.0], [two_round] * 2, [True, True]) == pytest.approx(0.011)
+
+
 def test_the_options_costs_follow_the_bytes_each_scheme_sends():
     """With every collective costing 1 s per byte and free kernels, an option's time is the bytes it sends, counted
     here from the codec's payload sizes (not from the schemes' own byte formulas)."""
@@ -300,6 +318,21 @@ def test_after_the_trial_each_compressed_options_collectives_are_taken_at_their_
     hooked = {**decision, "model": {"kernels": {"hook": [4e-4, 0.0]}}}
     slower = time_policy.in_step(hooked, {"allgather": {"encode": 3.0}})["predicted_exposed_s"]
     assert slower["allgather"] == pytest.approx(4e-4 + 1.8e-3 + 2e-3 + 1e-3)
+    # Two buckets: allgather's decodes run beside the link where the trial timed its collectives (their times hold
+    # them), on it where only its launches were timed. Each bucket: 1 ms encode, 2 ms all-gather (at 2x: 4 ms as
+    # decided), 3 ms decode, ready at 0 and 1 ms.
+    two = {**decision, "buckets": [{"ready_s": ready, "choice": "plain",
+                                    "predicted_s": {"plain": [0.0, 4e-3, 0.0, 0.0, 0.0, 0.0],
+                                                    "allgather": [1e-3, 4e-3, 3e-3, 0.0, 0.0, 0.0],
+                                                    "two-phase": [1e-3, 2e-3, 1e-3, 5e-4, 4e-3, 0.0]}}
+                                   for ready in (0.0, 1e-3)],
+           "trial": {"choices": {"model": ["allgather"] * 2, "plain": ["plain"] * 2}}}
+    # timed at 2x, as decided: encode 0-1, wire 1-5; the second's encode 2-3, its wire 5-9, its decode 9-12
+    beside = time_policy.in_step(two, {"allgather": {"all-gather": 2.0}})["predicted_exposed_s"]
+    assert beside["allgather"] == pytest.approx(12e-3 - 1e-3) and beside["policy"] == beside["allgather"]
+    # launches timed alone (at 1x): the decode holds the link, the second's wire 8-12, its decode 12-15
+    on_link = time_policy.in_step(two, {"allgather": {"encode": 1.0}})["predicted_exposed_s"]
+    assert on_link["allgather"] == pytest.approx(15e-3 - 1e-3)
 
 
 def test_the_trials_plan_launches_give_each_option_its_encode_load_over_the_dry_runs():
