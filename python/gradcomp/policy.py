@@ -482,7 +482,7 @@ def in_step(decision: dict, loads: dict[str, dict[str, float]], plain_window: fl
         any other collective (a kind not timed; the hierarchical scheme's, in groups the trial does not time) as
             decided; the other kernels (decode, middle: on the collectives' callbacks) and backward's offsets as
             decided;
-        the decodes of an option whose collectives the trial timed beside the link, not holding it (exposed's
+        the decodes of an option whose collectives the trial timed run beside the link, not holding it (exposed's
             decodes_beside): a collective's time in the step runs from the completion before it, whose decode runs
             on the callbacks meanwhile (gloo runs two collectives at once; on a GPU the decode is not on NCCL's
             stream), so its load already holds what that decode takes from it. Counted on the link as well, they
@@ -567,8 +567,8 @@ def explain(decision: dict | None, spec: str) -> str:
         predicted = after["predicted_exposed_s"]
         lines.append(f"in the trial's steps, the collectives against their probes and the encodes against their dry "
                      f"runs: {'; '.join(loads)} (the decision took every collective at "
-                     f"{decision['link_load']:.2f}x); predicted at those, the decodes of the options timed there beside "
-                     f"the link, as their loads hold them (ms): "
+                     f"{decision['link_load']:.2f}x); predicted at those, the decodes of the options timed there "
+                     f"beside the link, as their loads hold them (ms): "
                      + ", ".join(f"{o} {predicted[o] * 1e3:.2f}" for o in options)
                      + f", the model's choice {predicted['policy'] * 1e3:.2f}")
     return "\n".join(lines)
