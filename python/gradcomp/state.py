@@ -288,7 +288,7 @@ class CompressionState(StateCheckpoints):
                     self._first_plans(step, buffer)
                 elif self._remeasures_now(step) and not self._trial_running():
                     self._decide(step, buffer, list(self._plans.values()))
-                    self._retire_changed_plans()
+                    self._replace_changed_plans(step, buffer.device)
                 future = self._compressed(step, bucket, buffer, self._plans, self._new_plan)
             if trial_option not in (None, PlainBucket.scheme) and buffer.device.type == "cpu":
                 self._timings.plan_launched(trial_option, bucket.index(), time.perf_counter() - launching)
@@ -592,7 +592,7 @@ class CompressionState(StateCheckpoints):
                 self._timings = measure.WarmupTimings()
         for bucket, choice in zip(self._decision["buckets"], trial["choices"][name]):
             bucket["choice"] = choice
-        self._retire_changed_plans()
+        self._replace_changed_plans(step, buffer.device)
         if trial["chosen"] is not None:
             logger.info("%s", time_policy.explain(self._decision, self.spec))
 
@@ -682,13 +682,17 @@ class CompressionState(StateCheckpoints):
         return (self.remeasure_every > 0 and self._decision is not None and self._current["buckets"] == 1
                 and self.iter > self._decision["step"] and (self.iter - self.start_iter) % self.remeasure_every == 0)
 
-    def _retire_changed_plans(self) -> None:
-        """The plans whose bucket the new decision sends otherwise: their state waits in the pool for the new plan of
-        their parameters."""
+    def _replace_changed_plans(self, step: Step, device: torch.device) -> None:
+        """Each plan whose bucket the decision now sends otherwise, replaced by one of the chosen scheme over the same
+        parameters, which takes over their state (through the pool). Now, not at the bucket's next call: a fresh
+        DDP's first bucket (a resumed run's) goes as the saved plans that make it up, and needs every one of them."""
         chosen = {b["index"]: b["choice"] for b in self._decision["buckets"]}
         for index, plan in list(self._plans.items()):
             if chosen.get(index, PlainBucket.scheme) != plan.scheme:
                 self._retire(self._plans.pop(index))
+                replacement = self._make_plan(self.codec, step, index, plan.keys, plan.shapes, plan.dtype, device)
+                replacement.take(self._pool)
+                self._plans[index] = replacement
 
     def _retire(self, plan) -> None:
         """A plan whose bucket is laid out or sent anew: its state waits, per parameter, for the plan that takes it

@@ -949,8 +949,12 @@ def test_a_run_resumed_during_a_close_calls_added_rounds_keeps_the_rounds_combin
         assert torch.equal(a, b)
 
 
-def test_a_run_resumed_during_the_trial_follows_its_schedule_bit_for_bit(tmp_path):
-    world, total, split, spec = 2, 22, 7, "signsgd"
+@pytest.mark.parametrize("split", [7, 8])
+def test_a_run_resumed_during_the_trial_follows_its_schedule_bit_for_bit(tmp_path, split):
+    """Resumed in a step that sends as the one before (7), or at a switch between the trial's candidates (8): the
+    fresh DDP's first bucket holds every parameter, and goes as the saved buckets that make it up under each one's
+    new option."""
+    world, total, spec = 2, 22, "signsgd"
     schedule, options = [["two-phase", "plain"]], {"trial_steps": 2}
     args = (spec, options, total, split, str(tmp_path))
     whole = unwrap(run_ranks(scenarios.resume, world, (*args, "whole", schedule, TRIAL_SECONDS)))
