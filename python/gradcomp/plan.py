@@ -84,16 +84,19 @@ def measured_kernels(codec, largest: int, dtype: torch.dtype) -> dict[str, time_
 
 def buckets_of(params: float, bucket_mb: float, dtype: torch.dtype, layer_shape) -> list[dict]:
     """DDP's buckets of a model of `params` parameters: full ones of bucket_mb and the rest; each holds matrices of
-    layer_shape (as many as fit, at least one; else one square matrix), which only powersgd reads."""
+    layer_shape (as many as fit, and the rest as rows of it), which only powersgd reads, else one square matrix. A
+    matrix larger than bucket_mb fills a bucket of its own, as DDP never splits a parameter between buckets."""
     per_bucket = max(1, int(bucket_mb * 2**20 // dtype.itemsize))
+    if layer_shape:
+        per_bucket = max(per_bucket, math.prod(layer_shape))
     total, out = int(params), []
     while total > 0:
         n = min(per_bucket, total)
         if layer_shape:
             rows, cols = layer_shape
-            count = max(1, n // (rows * cols))
-            shapes = [(rows, cols)] * count if count * rows * cols == n else [(rows, cols)] * count + \
-                [(max(1, n - count * rows * cols),)]
+            count, rest = divmod(n, rows * cols)
+            shapes = [(rows, cols)] * count + ([(rest // cols, cols)] if rest >= cols else []) + \
+                ([(rest % cols,)] if rest % cols else [])
         else:
             side = max(1, int(math.sqrt(n)))
             shapes = [(side, n // side)] + ([(n - side * (n // side),)] if n % side else [])
@@ -147,14 +150,21 @@ def parse_args(argv):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be at least 1")
     for name in ("inter_gbit", "intra_gbyte", "params", "bucket_mb"):
-        if not getattr(args, name) > 0:
-            parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be positive")
+        if not 0 < getattr(args, name) < math.inf:
+            parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be positive and finite")
+    if args.params < 1:
+        parser.error(f"--params={args.params} must be at least 1")
+    for name in ("inter_latency_us", "intra_latency_us", "backward_ms"):
+        if not 0 <= getattr(args, name) < math.inf:
+            parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be zero or more, and finite")
     if args.layer_shape is not None:
         try:
             rows, cols = (int(x) for x in args.layer_shape.lower().split("x"))
-            args.layer_shape = (rows, cols)
         except ValueError:
             parser.error(f"--layer-shape={args.layer_shape!r}: give ROWSxCOLS, e.g. 4096x4096")
+        if rows < 1 or cols < 1:
+            parser.error(f"--layer-shape={args.layer_shape!r}: rows and columns must be at least 1")
+        args.layer_shape = (rows, cols)
     return args
 
 
@@ -168,7 +178,7 @@ def main(argv=None) -> int:
     kernels_from = f"{args.gpu} (stated)" if args.gpu else "this machine's CPU (measured)"
     print(f"{args.nodes} nodes x {args.gpus_per_node} GPUs, {args.inter_gbit:g} Gbit/s x {args.nics_per_node} "
           f"between nodes, {args.intra_gbyte:g} GB/s inside; {args.params:.3g} parameters in {args.dtype}, "
-          f"{len(buckets)} buckets of <= {args.bucket_mb:g} MB; kernels: {kernels_from}; "
+          f"{len(buckets)} buckets of <= {largest * dtype.itemsize / 2**20:.3g} MB; kernels: {kernels_from}; "
           f"backward {args.backward_ms:g} ms")
     print(f"{'codec':<22} {'option':<34} {'ms/step':>10} {'vs plain':>9}")
     specs = [s for s in args.codecs.split(";") if s]

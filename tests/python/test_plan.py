@@ -1,8 +1,11 @@
 """gradcomp-plan: the cluster's collectives against hand-counted ring and all-to-all bytes, the buckets of a model,
-the command's output, and its refusals."""
+the command's output (and the README's copy of it), and its refusals."""
 
 from __future__ import annotations
 
+import pathlib
+import re
+import shlex
 import subprocess
 import sys
 
@@ -39,6 +42,10 @@ def test_a_models_buckets_hold_its_parameters_in_ddps_bucket_size():
     assert all(torch.Size(s).numel() <= 2048 * 2048 for b in buckets for s in b["shapes"])
     square = plan.buckets_of(1e6, 25, torch.float32, None)
     assert square[0]["shapes"][0] == (1000, 1000)
+    # A matrix larger than a bucket fills one of its own (DDP never splits a parameter); the rest, as its rows.
+    large = plan.buckets_of(60e6, 25, torch.bfloat16, (4096, 11008))
+    assert [b["shapes"] for b in large] == [[(4096, 11008)], [(1354, 11008), (6400,)]]
+    assert sum(torch.Size(s).numel() for b in large for s in b["shapes"]) == 60_000_000
 
 
 def run_plan(*args):
@@ -62,9 +69,26 @@ def test_the_command_predicts_plain_ddp_each_option_and_the_policy():
     assert run_plan("--nodes", 2, "--inter-gbit", 1, "--params", 1e5, "--codecs", "fp16").returncode == 0
 
 
+def test_the_readmes_planner_output_is_what_the_command_prints():
+    """The README's example clusters (stated GPU kernels: no measurement) print today what the README shows."""
+    readme = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
+    examples = re.findall(r"^\$ (gradcomp-plan .*?(?:\\\n.*?)*)\n(.*?)(?=^\$ |^```)", readme, re.M | re.S)
+    assert len(examples) == 2
+    for command, shown in examples:
+        args = shlex.split(command.replace("\\\n", " "))[1:]
+        assert "--gpu" in args
+        result = run_plan(*args)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.split() == shown.split(), command
+
+
 @pytest.mark.parametrize("args, named", [(("--nodes", 0), "--nodes=0"), (("--layer-shape", "big"), "--layer-shape"),
                                          (("--codecs", "zip"), "unknown codec 'zip'"),
-                                         (("--inter-gbit", -1), "--inter-gbit=-1")])
+                                         (("--inter-gbit", -1), "--inter-gbit=-1"),
+                                         (("--layer-shape", "0x4"), "--layer-shape='0x4'"),
+                                         (("--params", 0.5), "--params=0.5"),
+                                         (("--inter-latency-us", -5), "--inter-latency-us=-5"),
+                                         (("--backward-ms", "nan"), "--backward-ms=nan")])
 def test_bad_arguments_are_refused_by_name(args, named):
     base = {"--nodes": 2, "--inter-gbit": 1, "--params": 1e6}
     base.update(dict(zip(args[::2], args[1::2])))
