@@ -83,9 +83,10 @@ def measured_kernels(codec, largest: int, dtype: torch.dtype) -> dict[str, time_
 
 
 def buckets_of(params: float, bucket_mb: float, dtype: torch.dtype, layer_shape) -> list[dict]:
-    """DDP's buckets of a model of `params` parameters: full ones of bucket_mb and the rest; each holds matrices of
-    layer_shape (as many as fit, and the rest as rows of it), which only powersgd reads, else one square matrix. A
-    matrix larger than bucket_mb fills a bucket of its own, as DDP never splits a parameter between buckets."""
+    """DDP's buckets of a model of `params` parameters: full ones of bucket_mb and the rest. Each holds as many
+    matrices of layer_shape as fit and the rest as rows of one (only powersgd reads the shapes); without a
+    layer_shape, one square matrix. A matrix larger than bucket_mb fills a bucket of its own, as DDP never splits a
+    parameter between buckets."""
     per_bucket = max(1, int(bucket_mb * 2**20 // dtype.itemsize))
     if layer_shape:
         per_bucket = max(per_bucket, math.prod(layer_shape))
