@@ -689,10 +689,7 @@ class CompressionState(StateCheckpoints):
         chosen = {b["index"]: b["choice"] for b in self._decision["buckets"]}
         for index, plan in list(self._plans.items()):
             if chosen.get(index, PlainBucket.scheme) != plan.scheme:
-                self._retire(self._plans.pop(index))
-                replacement = self._make_plan(self.codec, step, index, plan.keys, plan.shapes, plan.dtype, device)
-                replacement.take(self._pool)
-                self._plans[index] = replacement
+                self._new_plan(step, index, plan.keys, plan.shapes, plan.dtype, device)
 
     def _retire(self, plan) -> None:
         """A plan whose bucket is laid out or sent anew: its state waits, per parameter, for the plan that takes it
