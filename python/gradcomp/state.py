@@ -678,9 +678,11 @@ class CompressionState(StateCheckpoints):
         return PlainBucket.scheme
 
     def _remeasures_now(self, step: Step) -> bool:
-        """Whether this is the first bucket of a step at which policy='time' re-takes its decision."""
-        return (self.remeasure_every > 0 and self._decision is not None and self._current["buckets"] == 1
-                and self.iter > self._decision["step"] and (self.iter - self.start_iter) % self.remeasure_every == 0)
+        """Whether policy='time' re-takes its decision now: at the first compressible bucket of a step every
+        remeasure_every (the decision then bears this step, so no later bucket of it does; the first bucket may be one
+        that cannot be compressed, sparse or of another dtype, whose branch never asks)."""
+        return (self.remeasure_every > 0 and self._decision is not None and self.iter > self._decision["step"]
+                and (self.iter - self.start_iter) % self.remeasure_every == 0)
 
     def _replace_changed_plans(self, step: Step, device: torch.device) -> None:
         """Each plan whose bucket the decision now sends otherwise, replaced by one of the chosen scheme over the same

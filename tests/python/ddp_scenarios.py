@@ -32,6 +32,8 @@ def make_model(kind: str = "mlp") -> nn.Module:
         return SparseBag()
     if kind == "tiny":  # one bucket of 3 elements: fewer than the ranks of a 4-rank run
         return Tiny()
+    if kind == "double_head":  # the MLP under a float64 layer, whose bucket (no codec takes float64) DDP launches first
+        return DoubleHead()
     raise ValueError(kind)
 
 
@@ -42,6 +44,19 @@ class Tiny(nn.Module):
 
     def forward(self, x):
         return (x[:, :CLASSES] * self.gain[0] + self.gain[1]) * self.gain[2]
+
+
+class DoubleHead(nn.Module):
+    """Each float64 parameter over BUCKET_CAP_MB: DDP closes its bucket at once, ahead of the float32 ones, also
+    when it lays the buckets out anew (in the order the gradients came, the head's first)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = make_model("mlp")
+        self.head = nn.Linear(CLASSES, 600).double()
+
+    def forward(self, x):
+        return self.head(self.body(x).double())[:, :CLASSES].float()
 
 
 class ScaleShift(nn.Module):

@@ -62,12 +62,13 @@ def scripted_trial(rank: int, seconds: dict):
     policy_trial.verdict = scripted
 
 
-def recorded(rank, world, spec, options, steps, schedule=None, skew=None, trial_seconds=None):
+def recorded(rank, world, spec, options, steps, schedule=None, skew=None, trial_seconds=None, kind="mlp"):
     """Trains steps under policy="time" (options: more of the state's; trial_steps=0 and start_iter=2 unless given,
-    start_iter=None for the default; trial_seconds: see scripted_trial). Returns this rank's gradient into the hook,
-    DDP's applied gradient and the buckets' schemes per step and parameter, its residuals at the end
-    (reliability_scenarios'), every decision, the plain windows each read (their number), the measurements before
-    they were combined (skew: each rank's scaled, see skewed), and the final parameters."""
+    start_iter=None for the default; trial_seconds: see scripted_trial; kind: ddp_scenarios' model). Returns this
+    rank's gradient into the hook, DDP's applied gradient and the buckets' schemes per step and parameter, its
+    residuals at the end (reliability_scenarios'), every decision, the plain windows each read (their number), the
+    measurements before they were combined (skew: each rank's scaled, see skewed), the final parameters, and the
+    dtype of the first bucket DDP handed the hook in each step."""
     if schedule is not None:
         time_policy.choose = scheduled(schedule)
     seen: list = []
@@ -81,11 +82,18 @@ def recorded(rank, world, spec, options, steps, schedule=None, skew=None, trial_
     measure.WarmupTimings.plain_windows = lambda self: windows_read.append(plain_windows(self)) or windows_read[-1]
     decide = time_policy.decide
     time_policy.decide = lambda *args: decisions.append(decide(*args)) or decisions[-1]
-    model = make_model("mlp")
+    model = make_model(kind)
     ddp = wrap(model)
     state = gradcomp.CompressionState(spec, model=model, policy="time", **options)
     sent: list[dict] = []
-    ddp.register_comm_hook(state, hook_recording_sent(sent))
+    recording, first_dtypes = hook_recording_sent(sent), []
+
+    def hook(state, bucket):
+        if bucket.index() == 0:  # DDP calls the hook bucket by bucket in index order: the step's first call
+            first_dtypes.append(bucket.buffer().dtype)
+        return recording(state, bucket)
+
+    ddp.register_comm_hook(state, hook)
     applied, schemes = [], []
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     original_zero = optimizer.zero_grad
@@ -109,7 +117,7 @@ def recorded(rank, world, spec, options, steps, schedule=None, skew=None, trial_
             "plain_residuals_held": [p.residual is not None for p in state._plans.values() if p.scheme == "plain"],
             "decisions": decisions, "windows_read": [len(w) for w in windows_read],
             "measured": seen, "explain": state.explain(), "stats": state.stats(),
-            "params": [p.detach().clone() for p in model.parameters()]}
+            "params": [p.detach().clone() for p in model.parameters()], "first_bucket_dtypes": first_dtypes}
 
 
 def resume(rank, world, spec, options, total, split, workdir, phase, schedule, trial_seconds=None):

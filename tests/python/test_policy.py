@@ -455,6 +455,20 @@ def test_switches_between_plain_and_compressed_lose_nothing(spec):
     assert results[0]["plain_residuals_held"] == [False] and "plain" in results[0]["schemes_at_end"].values()
 
 
+def test_remeasures_where_a_steps_first_bucket_cannot_be_compressed():
+    """A float64 layer's bucket, which goes plain (no codec takes float64), is the first that DDP hands the hook in
+    every step: the decision is re-taken every remeasure_every steps all the same, over the other buckets, and
+    nothing is lost across its switches."""
+    world, steps, schedule = 2, 10, [["allgather"], ["plain"], ["two-phase"], ["plain"]]
+    results = unwrap(run_ranks(scenarios.recorded, world, ("signsgd", {"remeasure_every": 2}, steps, schedule, None,
+                                                           None, "double_head"), timeout=300))
+    assert results[0]["first_bucket_dtypes"] == [torch.float64] * steps
+    assert [d["step"] for d in results[0]["decisions"]] == [2, 4, 6, 8]
+    assert all(len(d["buckets"]) == len(results[0]["schemes_at_end"]) for d in results[0]["decisions"])
+    assert set(results[0]["schemes_at_end"].values()) == {"plain"}  # the last decision's choice
+    assert_nothing_lost(results, steps, replicas=world)
+
+
 class _OneRankStep:
     """What a plain bucket's launch asks of a step, on one rank: the allreduce of one rank is the tensor itself."""
     world = 1
