@@ -18,7 +18,8 @@ trial kept for every bucket). A step's time is the slowest rank's (a barrier
 before each step); a round's figure is the median over its steps; a configuration's, the median over the rounds.
 Ratios are to the same link's limit. Beside each row, the spread (max - min) / median over the rounds of the
 round's ratio to that round's limit (the figure the tables compare), and the same of its milliseconds ("of ms",
-which carries the machine's drift).
+which carries the machine's drift); beside the policy's, the same of its ratio to the fastest fixed option and to
+plain DDP in each round (the targets' figures: those configurations' steps interleaved with its own).
 The cost model's prediction: the policy's decision predicts each option's exposed communication per step (beyond
 the slowest rank's backward without it), and after its trial again at the loads the trial's own steps showed
 (gradcomp.policy.in_step): predicted_exposed_ms, and as decided predicted_as_decided_ms. Measured: on each rank the
@@ -50,6 +51,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 import gradcomp
+import gradcomp.measure as measure
+import gradcomp.policy as time_policy
 
 sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)),
                 os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")]
@@ -117,6 +120,41 @@ class ExposedWindow:
         return exposed, window
 
 
+class TrialTimings:
+    """--trial-timings: each policy configuration's trial as every rank timed it, for re-scoring the cost model's
+    loads offline: per counted step, its hook calls (bucket index, call, return) and its collectives (option, kind,
+    bytes per rank, launch, completion), host seconds from the step's first call. Read where gradcomp reads them,
+    at the verdict (WarmupTimings.collective_loads), into the configuration warming up."""
+
+    sink: list | None = None
+
+    @classmethod
+    def install(cls) -> None:
+        collective_loads = measure.WarmupTimings.collective_loads
+
+        def reading(timings, curves):
+            if cls.sink is not None and timings.clock is not None and not timings.clock.cuda:
+                cls.sink.extend(cls.steps(timings))
+            return collective_loads(timings, curves)
+
+        measure.WarmupTimings.collective_loads = reading
+
+    @staticmethod
+    def steps(timings) -> list[dict]:
+        out = []
+        for step, entries in sorted(timings.collectives.items()):
+            calls = timings.steps.get(step) or []
+            if not calls:
+                continue
+            origin, returns = calls[0][1], timings.returns.get(step, {})
+            since = lambda mark: None if mark is None else mark - origin  # noqa: E731 - host seconds
+            out.append({"step": step,
+                        "calls": [[index, since(mark), since(returns.get(index))] for index, mark in calls],
+                        "collectives": [[option, kind, nbytes, since(launched), since(completed)]
+                                        for option, kind, nbytes, launched, completed in entries]})
+        return out
+
+
 class Configuration:
     """One configuration on this rank: its model under DDP with its hook, warmed up (and, under the policy, through
     its trial) before any is timed; then one timed step at a time (or --block), interleaved with the others' (so
@@ -139,7 +177,7 @@ class Configuration:
             self.ddp.register_comm_hook(self.state, self.window.around(gradcomp.hook))
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.01)
         self.x, self.y = batch(torch.Generator().manual_seed(rank))
-        self.times, self.exposed, self.windows = [], [], []
+        self.times, self.exposed, self.windows, self.trial_timings = [], [], [], []
 
     def step(self) -> None:
         loss = nn.functional.cross_entropy(self.ddp(self.x), self.y)
@@ -151,9 +189,11 @@ class Configuration:
         for _ in range(steps):  # DDP's bucket rebuild, start_iter, the decision, the plans laid out
             self.step()
             self.window.take()
+        TrialTimings.sink = self.trial_timings
         while self.state is not None and self.state.deciding:  # the policy's trial: its steps are not timed here
             self.step()
             self.window.take()
+        TrialTimings.sink = None
 
     def timed_step(self) -> None:
         dist.barrier()
@@ -165,11 +205,42 @@ class Configuration:
         self.windows.append(window)
 
     def result(self) -> dict:
-        result = {"times": self.times, "exposed": self.exposed, "windows": self.windows}
+        result = {"times": self.times, "exposed": self.exposed, "windows": self.windows,
+                  "trial_timings": self.trial_timings}
         if self.state is not None:
             stats = self.state.stats()
             result["schemes"], result["decision"] = stats["schemes"], stats["decision"]
         return result
+
+
+def in_step_again(entry: dict) -> dict | None:
+    """A run's predictions after the trial taken again from its trial's timings as every rank kept them
+    (--trial-timings), by this gradcomp: each rank's WarmupTimings.collective_loads, the least over the ranks of the
+    compressed options', the encodes' loads and plain's window as the run saved them (what the verdict does, offline);
+    None where the run kept no timings."""
+    decision = entry.get("decision") or {}
+    saved = decision.get("in_step")
+    if not saved or not entry.get("trial_timings"):
+        return None
+    curves = {key.split("/")[1]: time_policy.link_from_json(link) for key, link in decision["model"]["links"].items()
+              if key.startswith("world/")}
+    per_rank = []
+    for steps in entry["trial_timings"]:
+        timings = measure.WarmupTimings()
+        timings.clock = measure.Clock(torch.device("cpu"))
+        for step in steps:
+            timings.steps[step["step"]] = [(index, called) for index, called, _ in step["calls"]]
+            timings.collectives[step["step"]] = [list(collective) for collective in step["collectives"]]
+        per_rank.append(timings.collective_loads(curves))
+    loads: dict[str, dict[str, float]] = {}
+    for option, kinds in per_rank[0].items():
+        for kind in kinds:
+            if option != "plain" and all(kind in rank.get(option, {}) for rank in per_rank):
+                loads.setdefault(option, {})[kind] = min(rank[option][kind] for rank in per_rank)
+    for option, kinds in saved["loads"].items():
+        if "encode" in kinds:
+            loads.setdefault(option, {})["encode"] = kinds["encode"]
+    return time_policy.in_step(decision, loads, saved["plain_window_s"])
 
 
 def predictions(decision: dict, after_trial: bool) -> dict[str, float]:
@@ -215,6 +286,8 @@ def time_round(args, round_: int, model_name: str) -> list[dict]:
                      "exposed_s": [min(r["exposed"][i] for r in everyone) for i in range(args.steps)],
                      "slowest_window_s": [max(r["windows"][i] for r in everyone) for i in range(args.steps)],
                      "schemes": mine.get("schemes"), "decision": mine.get("decision")})
+        if args.trial_timings and mine["trial_timings"]:
+            runs[-1]["trial_timings"] = [r["trial_timings"] for r in everyone]  # per rank
         if args.rank == 0:
             print(f"  round {round_} {model_name:9s} {label:32s} "
                   f"{1e3 * statistics.median(runs[-1]['step_s']):9.1f} ms", flush=True)
@@ -223,6 +296,8 @@ def time_round(args, round_: int, model_name: str) -> list[dict]:
 
 def rank_main(args) -> None:
     torch.set_num_threads(1)
+    if args.trial_timings:
+        TrialTimings.install()
     dist.init_process_group("gloo", init_method=f"tcp://{SUBNET}.1:{args.port}", rank=args.rank,
                             world_size=args.world)
     try:
@@ -242,7 +317,8 @@ def run_world(args, world: int, link: str) -> list:
     rate = None if link == "unshaped" else link
     return run_in_namespaces("gcp", world, SUBNET, rate, __file__, 29410,
                              ["--steps", str(args.steps), "--warmup", str(args.warmup), "--rounds", str(args.rounds),
-                              "--block", str(args.block), "--models", *args.models, "--codecs", *args.codecs],
+                              "--block", str(args.block), "--models", *args.models, "--codecs", *args.codecs,
+                              *(["--trial-timings"] if args.trial_timings else [])],
                              args.timeout,
                              f"{world} ranks, {link}")
 
@@ -270,7 +346,8 @@ def table_rows(runs: dict, codecs: list[str]) -> list[dict]:
                 as_decided = [predictions(d, after_trial=False) for d in decisions]
                 trials = [d.get("trial") or {} for d in decisions]  # {}: no trial
                 fixed_labels = [label for label, s, _ in configurations([spec]) if s == spec and "policy" not in label]
-                fastest_fixed = min(statistics.median(medians[label]) for label in fixed_labels + ["plain DDP"])
+                fastest_label = min(fixed_labels + ["plain DDP"], key=lambda label: statistics.median(medians[label]))
+                fastest_fixed = statistics.median(medians[fastest_label])
                 for label in ["plain DDP", *fixed_labels, f"{spec} policy"]:
                     rounds = medians[label]
                     median = statistics.median(rounds)
@@ -291,6 +368,9 @@ def table_rows(runs: dict, codecs: list[str]) -> list[dict]:
                            "choices": [e["schemes"] for e in policy] if label.endswith("policy") else None,
                            "trial": [t.get("chosen") for t in trials] if label.endswith("policy") else None,
                            "trial_rounds": [t.get("rounds") for t in trials] if label.endswith("policy") else None}
+                    for name, to in (("fastest_fixed", fastest_label), ("plain", "plain DDP")):  # the targets'
+                        row[f"spread_vs_{name}"] = spread([r / other for r, other in zip(rounds, medians[to])]) \
+                            if label.endswith("policy") else None  # figures, round by round (the drift between them)
                     rows.append(row)
     return rows
 
@@ -307,6 +387,14 @@ def spread_columns(row: dict) -> str:
     return f"{100 * row['spread']:6.1f}% {100 * row['spread_ms']:5.0f}%"
 
 
+def policy_spreads(row: dict) -> str:
+    """The spreads of the policy's ratios to the fastest fixed option and to plain DDP (rows from before: none)."""
+    if row.get("spread_vs_fastest_fixed") is None:
+        return ""
+    return (f"; spread x best {100 * row['spread_vs_fastest_fixed']:.1f}%, "
+            f"x plain {100 * row['spread_vs_plain']:.1f}%")
+
+
 def summary(rows: list[dict]) -> dict:
     policy = [r for r in rows if r["config"].endswith("policy")]
 
@@ -319,6 +407,8 @@ def summary(rows: list[dict]) -> dict:
             "policy_within_1.05x_fastest_fixed": sum(r["vs_fastest_fixed"] <= 1.05 for r in policy),
             "policy_within_1.05x_plain": sum(r["vs_plain"] <= 1.05 for r in policy),
             "largest_spread": max((r["spread"] for r in rows), default=None),
+            "policy_spreads_under_5pct": sum(max(r.get("spread_vs_fastest_fixed", 1), r.get("spread_vs_plain", 1))
+                                             < 0.05 for r in policy),
             "predictions_within_25pct": after_trial[0], "predictions": after_trial[1],
             "predictions_as_decided_within_25pct": as_decided[0], "predictions_as_decided": as_decided[1]}
 
@@ -361,8 +451,12 @@ def parse_args(argv=None):
                         help="timed steps of a configuration in a row, after one untimed (default 1: one timed step "
                              "of each in turn); a job runs its own steps one after another")
     parser.add_argument("--timeout", type=float, default=7200, help="seconds for one world size and link")
+    parser.add_argument("--trial-timings", action="store_true",
+                        help="keep every rank's timings of each policy trial's steps in the JSON's runs (TrialTimings)")
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--replot", action="store_true", help="the tables and plot again from --out's JSON")
+    parser.add_argument("--replot", action="store_true",
+                        help="the tables and plot again from --out's JSON: its rows anew from its runs where it keeps "
+                             "them, the predictions after the trial anew where it keeps the trial's timings")
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--world", type=int, help=argparse.SUPPRESS)
@@ -396,7 +490,7 @@ def report(rows: list[dict], stem: str, meta: dict) -> None:
               f"{spread_columns(r)} {r['vs_limit']:8.2f} "
               f"{r['vs_plain']:8.2f} {r['vs_fastest_fixed']:7.2f} "
               f"{predicted} {r['measured_exposed_ms']:8.1f}" + (f"  {r['choices']} trial {r['trial']} "
-                                                                 f"rounds {r.get('trial_rounds')}"
+                                                                 f"rounds {r.get('trial_rounds')}" + policy_spreads(r)
                                                                  if r["choices"] else ""))
     totals = summary(rows)
     print("\n" + json.dumps(totals))
@@ -412,10 +506,19 @@ def main(argv=None) -> int:
         finish_spawned_rank(args.rank, lambda _: rank_main(args))
         return 0
     stem = os.path.join(args.out, "policy_quick" if args.quick else "policy")
-    if args.replot:
+    if args.replot:  # the rows again from the runs where the JSON keeps them (new columns), else as saved
         with open(stem + ".json") as f:
             saved = json.load(f)
-        report(saved["rows"], stem, {k: v for k, v in saved.items() if k not in ("rows", "summary")})
+        rows = saved["rows"]
+        if saved.get("runs"):
+            by_link: dict = {}
+            for entry in saved["runs"]:
+                again = in_step_again(entry)
+                if again is not None:
+                    entry["decision"]["in_step"] = again
+                by_link.setdefault((entry["world"], entry["link"]), []).append(entry)
+            rows = table_rows(by_link, saved["codecs"])
+        report(rows, stem, {k: v for k, v in saved.items() if k not in ("rows", "summary")})
         return 0
     problem = shaping_problem()
     if problem:

@@ -150,38 +150,48 @@ class WarmupTimings:
         self.collectives.setdefault(step, []).append(entry)
         return lambda: entry.__setitem__(4, self.clock.mark())
 
-    def collective_seconds(self, step: int) -> list[tuple]:
-        """The trial's timed collectives of step `step` in completion order, each (option, kind, bytes, seconds): from
-        its launch, or from the completion before its own where that came later, to its completion: the link's busy
-        time split between them, also where the backend runs several at once and they end out of launch order (gloo
-        runs two); seconds None for one issued before the step's last bucket's hook call (during backward: the
-        exposed time is made of those after it), or where any of the step's collectives did not complete."""
+    def busy_periods(self, step: int) -> list[tuple[list[tuple], float]]:
+        """The trial's timed collectives of step `step` in the link's busy periods: in launch order, a period goes on
+        while the next collective is launched before the last completion in it so far (gloo runs two at once, which
+        then share the link). Each period: its collectives (option, kind, bytes) and the seconds it held the link
+        after backward, from the step's last hook call (backward's end on this rank) or its first launch where later,
+        to its last completion. Before that call, a collective in flight shares the cores with backward, or waits for
+        ranks still in it. Periods that ended before that call are left out (hidden behind backward), as is every
+        period of a step where any collective did not complete."""
         entries, calls = self.collectives.get(step, []), self.steps.get(step)
-        if not entries:
+        if not entries or not calls or any(entry[4] is None for entry in entries):
             return []
-        if not calls or any(entry[4] is None for entry in entries):
-            return [(option, kind, nbytes, None) for option, kind, nbytes, _, _ in entries]
         origin = entries[0][3]
         at = lambda mark: self.clock.seconds(origin, mark)  # noqa: E731 - CUDA events order by elapsed time
-        backward_done, previous_end, timed = at(calls[-1][1]), -math.inf, []
-        for option, kind, nbytes, launched, completed in sorted(entries, key=lambda entry: at(entry[4])):
-            seconds = at(completed) - max(at(launched), previous_end)
-            previous_end = at(completed)
-            timed.append((option, kind, nbytes, seconds if at(launched) >= backward_done else None))
-        return timed
+        timed = sorted(((at(launched), at(completed), (option, kind, nbytes))
+                        for option, kind, nbytes, launched, completed in entries), key=lambda entry: entry[0])
+        backward_done, periods, members, start, end = at(calls[-1][1]), [], [], 0.0, -math.inf
+        for launched, completed, collective in timed + [(math.inf, math.inf, None)]:  # the last closes the last
+            if launched >= end:
+                if members and end > max(start, backward_done):
+                    periods.append((members, end - max(start, backward_done)))
+                members, start = [], launched
+            members.append(collective)
+            end = max(end, completed)
+        return periods
 
     def collective_loads(self, curves: dict) -> dict[str, dict[str, float]]:
-        """Per option and collective kind, how much slower than alone its collectives ran in the trial's steps: the
-        median over those issued after backward of each one's seconds (collective_seconds) over its probes' time at
-        its size (curves: kind -> Curve). A kind with no curve is left out. The seconds hold this rank's waits for
-        others still encoding: a rank's window holds them too (the least over the ranks is taken of the medians,
-        not of each collective: the latter left the allgathers' predictions a third short)."""
+        """Per option and collective kind, how much slower than alone its collectives ran in the trial's steps: each
+        busy period's seconds after backward (busy_periods) over the sum of its collectives' probes' times at their
+        sizes (curves: kind -> Curve), and per option and kind the median over its collectives in those periods. A
+        period with a kind that has no curve is left out. Timing each collective alone from the completion before
+        its own (as gradcomp did before) left out the time it shared the link with one issued during backward: at 4
+        ranks behind 100 Mbit/s, two all-gathers read 0.33x their probes, and the step was predicted at 0.41 of what
+        it measured. The seconds hold this rank's waits for others still encoding: a rank's window holds them too
+        (the least over the ranks is taken of the medians, not of each collective)."""
         ratios: dict[tuple[str, str], list[float]] = {}
         for step in self.collectives:
-            for option, kind, nbytes, seconds in self.collective_seconds(step):
-                probe = curves[kind](nbytes) if kind in curves else 0.0
-                if seconds is not None and seconds > 0 and probe > 0:
-                    ratios.setdefault((option, kind), []).append(seconds / probe)
+            for members, seconds in self.busy_periods(step):
+                if all(kind in curves for _, kind, _ in members):
+                    alone = sum(curves[kind](nbytes) for _, kind, nbytes in members)
+                    for option, kind, _ in members:
+                        if alone > 0:
+                            ratios.setdefault((option, kind), []).append(seconds / alone)
         loads: dict[str, dict[str, float]] = {}
         for (option, kind), values in sorted(ratios.items()):
             loads.setdefault(option, {})[kind] = statistics.median(values)

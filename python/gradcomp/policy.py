@@ -472,9 +472,10 @@ def in_step(decision: dict, loads: dict[str, dict[str, float]], plain_window: fl
     """The decision's predictions again, at the loads that the trial's own steps showed instead of the one load
     fitted to the warm-up's plain steps:
         each compressed option's collectives at the loads its own steps showed, kind by kind (loads: option -> kind
-            -> seconds in the step over the probes' time, the least over the ranks: gradcomp.measure's
-            WarmupTimings.collective_loads), and its encode (less the hook's own time) at its plans' launches in
-            those steps over their dry runs (loads: option -> "encode"; WarmupTimings.launch_loads);
+            -> the link's busy time in the step over its collectives' probes, the least over the ranks:
+            gradcomp.measure's WarmupTimings.collective_loads), and its encode (less the hook's own time) at its
+            plans' launches in those steps over their dry runs (loads: option -> "encode";
+            WarmupTimings.launch_loads);
         plain's at the load (link_load) that makes its queue end where the trial's steps that sent every bucket
             plain did (plain_window: their window, as the warm-up's is read; None where none ran): the one load is
             fitted to plain's whole window, as at the decision, from steps among the other candidates' (as a run's
@@ -483,10 +484,10 @@ def in_step(decision: dict, loads: dict[str, dict[str, float]], plain_window: fl
             decided; the other kernels (decode, middle: on the collectives' callbacks) and backward's offsets as
             decided;
         the decodes of an option whose collectives the trial timed run beside the link, not holding it (exposed's
-            decodes_beside): a collective's time in the step runs from the completion before it, whose decode runs
-            on the callbacks meanwhile (gloo runs two collectives at once; on a GPU the decode is not on NCCL's
-            stream), so its load already holds what that decode takes from it. Counted on the link as well, they
-            put the allgathers and two-phase at 4 ranks at 1.25-1.5x what they measured.
+            decodes_beside): the time of a busy period of the link in the step holds the decodes run on the
+            callbacks meanwhile (gloo runs two collectives at once; on a GPU the decode is not on NCCL's stream), so
+            the load already holds what they take from it. Counted on the link as well, they put the allgathers and
+            two-phase at 4 ranks at 1.25-1.5x what they measured.
     JSON-able, kept in the decision; explain() shows it. It changes no choice: the trial measured the steps."""
     load, hook = decision["link_load"], saved_hook_seconds(decision)
     ready = [bucket["ready_s"] for bucket in decision["buckets"]]

@@ -205,7 +205,7 @@ def test_policy_times_steps_one_of_each_in_turn_or_in_blocks_of_a_configurations
 
 @needs_shaping
 def test_policy_quick_mode_times_every_option_and_the_policy(tmp_path):
-    out = run_script(BENCHMARKS / "policy.py", "--quick", "--out", tmp_path)
+    out = run_script(BENCHMARKS / "policy.py", "--quick", "--trial-timings", "--out", tmp_path)
     report = json.loads((tmp_path / "policy_quick.json").read_text())
     rows = {(row["link"], row["codec"], row["config"]): row for row in report["rows"]}
     for link in ("1gbit", "unshaped"):
@@ -227,9 +227,30 @@ def test_policy_quick_mode_times_every_option_and_the_policy(tmp_path):
             if policy["trial"] == [None] * report["rounds"]:
                 assert policy["predicted_as_decided_ms"] == policy["predicted_exposed_ms"]
             assert 0 <= policy["spread"] and policy["vs_limit"] > 0
+            assert policy["spread_vs_fastest_fixed"] >= 0 and policy["spread_vs_plain"] >= 0
     # 1 Gbit/s: plain DDP's 9.5 MB per step cannot hide behind the MLP's little backward
     assert rows[("1gbit", "signsgd", "plain DDP")]["measured_exposed_ms"] > 10
     assert report["summary"]["cells"] == 4
+    for run in report["runs"]:  # --trial-timings: every rank's counted trial steps, as the verdict read them
+        trial = (run.get("decision") or {}).get("trial")
+        if trial is None:
+            assert "trial_timings" not in run
+            continue
+        assert len(run["trial_timings"]) == run["world"] == 2
+        for steps in run["trial_timings"]:
+            assert steps and {s["step"] for s in steps} <= set(range(trial["start"], trial["start"] + 200))
+            for step in steps:
+                assert step["calls"][0][1] == 0 and all(call[2] >= call[1] for call in step["calls"])
+                for option, kind, nbytes, launched, completed in step["collectives"]:
+                    assert option in run["decision"]["options"] and kind in ("allreduce", "all-gather", "all-to-all")
+                    assert nbytes > 0 and completed >= launched
+    # --replot takes the predictions after the trial again from those timings: what the verdict took on the ranks
+    run_script(BENCHMARKS / "policy.py", "--quick", "--replot", "--out", tmp_path)
+    again = json.loads((tmp_path / "policy_quick.json").read_text())
+    assert [row["predicted_exposed_ms"] for row in again["rows"]] == \
+        [row["predicted_exposed_ms"] and pytest.approx(row["predicted_exposed_ms"], rel=1e-9) for row in report["rows"]]
+    assert [{k: v for k, v in row.items() if k != "predicted_exposed_ms"} for row in again["rows"]] == \
+        [{k: v for k, v in row.items() if k != "predicted_exposed_ms"} for row in report["rows"]]
     assert report["summary"]["predictions"] == report["summary"]["predictions_as_decided"] > 0
     assert (tmp_path / "policy_quick.png").read_bytes()[:8] == PNG_MAGIC
 

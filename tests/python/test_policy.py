@@ -254,41 +254,48 @@ def test_the_hooks_own_time_is_the_median_of_the_warm_ups_calls():
     assert timings.hook_seconds() == 3e-4
 
 
-def test_the_trials_collectives_give_each_option_and_kind_its_load_from_launch_or_the_one_before_to_completion():
-    """Each timed collective's seconds run from its launch, or from the completion before its own where that came
-    later, to its completion (in completion order: gloo runs two at once, which may end out of launch order); per
-    option and kind, the median of those over the probes' time at its size, of the collectives issued from the
-    step's last hook call on (after backward). A step with a collective that never completed, and a kind with no
-    probes, count for nothing."""
+def test_the_trials_collectives_give_each_option_and_kind_the_load_of_the_links_busy_periods_after_backward():
+    """Collectives in launch order make one busy period while each is launched before the last completion so far
+    (gloo runs two at once: they share the link). A period's seconds run from the step's last hook call (backward's
+    end), or its first launch where later, to its last completion; its load is those seconds over the sum of its
+    collectives' probes, and per option and kind the median over its collectives. Periods that ended before
+    backward's end, periods with a kind that has no probes, and steps with a collective that never completed count
+    for nothing."""
     timings = measure.WarmupTimings()
     timings.clock = measure.Clock(torch.device("cpu"))
-    timings.steps = {7: [(0, 9.0), (1, 10.0)], 8: [(0, 19.0), (1, 20.0)], 9: [(0, 29.0), (1, 30.0)]}  # hook calls
+    timings.steps = {step: [(0, base - 1.0), (1, base)] for step, base in
+                     ((7, 10.0), (8, 20.0), (9, 30.0), (10, 40.0), (11, 50.0), (12, 60.0))}  # hook calls
     timings.collectives = {
-        # the all-gather's own time: from the all-to-all's completion, 1 ms
-        7: [["two-phase", "all-to-all", 1000, 10.0, 10.002], ["two-phase", "all-gather", 100, 10.0005, 10.003],
-            ["allgather", "all-gather", 100, 9.5, 9.9]],  # during backward: not counted
-        8: [["two-phase", "all-to-all", 1000, 20.0, 20.004], ["two-phase", "all-gather", 100, 20.005, 20.0065],
-            ["allgather", "all-gather", 100, 20.007, 20.009], ["allgather", "allreduce", 8, 20.0095, 20.01]],
-        9: [["two-phase", "all-to-all", 1000, 30.0, 30.1], ["two-phase", "all-gather", 100, 30.0, None]]}  # failed
-    assert [s for *_, s in timings.collective_seconds(7)] == [None, pytest.approx(2e-3), pytest.approx(1e-3)]
-    assert [s for *_, s in timings.collective_seconds(9)] == [None, None]
+        # launched during backward, the second before the first ended: one period, from backward's end, 4 ms
+        7: [["allgather", "all-gather", 100, 9.5, 10.003], ["allgather", "all-gather", 100, 10.001, 10.004]],
+        # the all-gather launched after the all-to-all ended: two periods, 4 ms and 1.5 ms
+        8: [["two-phase", "all-to-all", 1000, 20.0, 20.004], ["two-phase", "all-gather", 100, 20.005, 20.0065]],
+        9: [["two-phase", "all-to-all", 1000, 30.0, 30.1], ["two-phase", "all-gather", 100, 30.0, None]],  # failed
+        # ended during backward: hidden; then one with no probes
+        10: [["allgather", "all-gather", 100, 39.2, 39.5], ["allgather", "allreduce", 8, 40.001, 40.002]],
+        11: [["two-phase", "all-to-all", 1000, 50.0, 50.002], ["two-phase", "all-gather", 100, 50.001, 50.0025]],
+        # launched all-gather first, all-to-all second, ended the other way round: one period of 5 ms
+        12: [["two-phase", "all-gather", 100, 60.0, 60.005], ["two-phase", "all-to-all", 1000, 60.001, 60.003]]}
+    assert [(members, pytest.approx(seconds)) for members, seconds in timings.busy_periods(7)] == \
+        [([("allgather", "all-gather", 100)] * 2, pytest.approx(4e-3))]
+    assert [seconds for _, seconds in timings.busy_periods(8)] == [pytest.approx(4e-3), pytest.approx(1.5e-3)]
+    assert timings.busy_periods(9) == []
+    assert [(members, pytest.approx(seconds)) for members, seconds in timings.busy_periods(10)] == \
+        [([("allgather", "allreduce", 8)], pytest.approx(1e-3))]
     curves = {"all-to-all": Curve((1000.0,), (1e-3,)), "all-gather": Curve((100.0,), (5e-4,))}
     loads = timings.collective_loads(curves)
     assert set(loads) == {"two-phase", "allgather"} and set(loads["two-phase"]) == {"all-to-all", "all-gather"}
-    assert loads["two-phase"]["all-to-all"] == pytest.approx((2 + 4) / 2)  # 2 ms and 4 ms against 1 ms
-    assert loads["two-phase"]["all-gather"] == pytest.approx((2 + 3) / 2)  # 1 ms and 1.5 ms against 0.5 ms
-    assert loads["allgather"] == {"all-gather": pytest.approx(4.0)}  # no allreduce curve: left out
-    del timings.steps[7]
+    assert loads["allgather"] == {"all-gather": pytest.approx(4.0)}  # 4 ms over 2 x 0.5 ms; no allreduce curve
+    # all-to-all: 4 ms / 1 ms (step 8), 2.5 ms / 1.5 ms (11), 5 ms / 1.5 ms (12); all-gather: 1.5 ms / 0.5 ms (8), and
+    # the same two periods
+    assert loads["two-phase"]["all-to-all"] == pytest.approx(5 / 1.5)
+    assert loads["two-phase"]["all-gather"] == pytest.approx(3.0)
+    for step in (7, 10, 11, 12):
+        del timings.steps[step]
     assert timings.trial_windows([7, 8, 9]) == {}  # no call marked as returned
     timings.returns = {8: {0: 19.001, 1: 20.0005}, 9: {0: 29.001, 1: 30.0005}}
     # the last call to the last completion, and the 1 ms inside the call before it
-    assert timings.trial_windows([7, 8, 9]) == {8: pytest.approx(0.011)}
-    # launched all-gather first, all-to-all second, ended the other way round: each 2 ms of the 5 ms busy, none below 0
-    timings.steps[10] = [(0, 39.0), (1, 40.0)]
-    timings.collectives[10] = [["two-phase", "all-gather", 100, 40.0, 40.005],
-                               ["two-phase", "all-to-all", 1000, 40.001, 40.003]]
-    assert [(kind, s) for _, kind, _, s in timings.collective_seconds(10)] == [
-        ("all-to-all", pytest.approx(2e-3)), ("all-gather", pytest.approx(2e-3))]
+    assert timings.trial_windows([7, 8, 9]) == {8: pytest.approx(0.0075)}
 
 
 def test_after_the_trial_each_compressed_options_collectives_are_taken_at_their_own_loads():
