@@ -222,8 +222,7 @@ def in_step_again(entry: dict) -> dict | None:
     saved = decision.get("in_step")
     if not saved or not entry.get("trial_timings"):
         return None
-    curves = {key.split("/")[1]: time_policy.link_from_json(link) for key, link in decision["model"]["links"].items()
-              if key.startswith("world/")}
+    curves = time_policy.world_links(decision)
     per_rank = []
     for steps in entry["trial_timings"]:
         timings = measure.WarmupTimings()

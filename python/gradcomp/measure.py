@@ -187,11 +187,12 @@ class WarmupTimings:
         ratios: dict[tuple[str, str], list[float]] = {}
         for step in self.collectives:
             for members, seconds in self.busy_periods(step):
-                if all(kind in curves for _, kind, _ in members):
-                    alone = sum(curves[kind](nbytes) for _, kind, nbytes in members)
+                if not all(kind in curves for _, kind, _ in members):
+                    continue
+                alone = sum(curves[kind](nbytes) for _, kind, nbytes in members)
+                if alone > 0:
                     for option, kind, _ in members:
-                        if alone > 0:
-                            ratios.setdefault((option, kind), []).append(seconds / alone)
+                        ratios.setdefault((option, kind), []).append(seconds / alone)
         loads: dict[str, dict[str, float]] = {}
         for (option, kind), values in sorted(ratios.items()):
             loads.setdefault(option, {})[kind] = statistics.median(values)

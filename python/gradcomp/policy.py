@@ -197,6 +197,12 @@ def link_from_json(saved) -> "Line | Curve":
     return Curve(tuple(saved["sizes"]), tuple(saved["seconds"])) if isinstance(saved, dict) else Line(*saved)
 
 
+def world_links(decision: dict) -> dict[str, "Line | Curve"]:
+    """A decision's links over the whole group, by collective kind (what the trial's collectives are timed against)."""
+    return {key.split("/")[1]: link_from_json(saved) for key, saved in decision["model"]["links"].items()
+            if key.split("/")[0] == "world"}
+
+
 @dataclass(frozen=True)
 class Cost:
     """An option's seconds for one bucket: encode (on the hook's thread, before its collectives), wire (its first

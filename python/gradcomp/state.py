@@ -614,12 +614,7 @@ class CompressionState(StateCheckpoints):
         their collectives, option by option and kind by kind, and by their plans' launches (on the CPU); plain's by
         the window of the steps that sent every bucket plain (the least over the ranks: the last rank through
         backward waits least for the others). The same on every rank."""
-        curves = {}
-        for key, saved in self._decision["model"]["links"].items():
-            level, kind = key.split("/")
-            if level == "world":
-                curves[kind] = time_policy.link_from_json(saved)
-        mine = self._timings.collective_loads(curves)
+        mine = self._timings.collective_loads(time_policy.world_links(self._decision))
         for option, factor in self._timings.launch_loads(self._decision).items():
             mine.setdefault(option, {})["encode"] = factor
         compressed = [o for o in self._decision["options"] if o != PlainBucket.scheme]  # plain: its window, below
