@@ -343,12 +343,13 @@ def time_plan(plan, sample: torch.Tensor, world: int, rank: int, nodes, clock: C
 
 
 def plan_seconds(runs: list, clock: Clock) -> tuple[float, float, float]:
-    """(encode, middle, decode): the least time to the first collective, the least from there to the last, and the
-    least of the rest (after clock.sync())."""
+    """(encode, middle, decode): the least over the runs of each part, to the first collective, from there to the
+    last, and after it (after clock.sync()). Each part's own least: the least whole run less the other parts' least
+    put into the decode what preemption added to one run's middle (a two-phase decode twice its measure)."""
     encode = min(clock.seconds(start, first) for start, first, _, _ in runs)
     middle = min(clock.seconds(first, last) for _, first, last, _ in runs)
-    total = min(clock.seconds(start, end) for start, _, _, end in runs)
-    return encode, middle, max(total - encode - middle, 0.0)
+    decode = min(clock.seconds(last, end) for _, _, last, end in runs)
+    return encode, middle, decode
 
 
 def _probe(group, kind: str, nbytes: int, device: torch.device, clock: Clock) -> tuple:

@@ -354,6 +354,15 @@ def test_the_trials_plan_launches_give_each_option_its_encode_load_over_the_dry_
     assert timings.launch_loads(decision) == {"allgather": pytest.approx((1.2 + 1.5) / 2)}  # of 1.2, 1.5, 1.2, 2
 
 
+def test_a_dry_runs_parts_are_each_the_least_over_the_runs_not_the_rest_of_the_least_whole_run():
+    """(encode, middle, decode) of a plan's dry runs, each part the least of its own over the runs: one run's
+    middle held up (the core taken away) must not move into the decode of the run whose middle was the least."""
+    clock = measure.Clock(torch.device("cpu"))  # host seconds: marks are plain floats
+    runs = [(0.0, 3e-3, 10e-3, 14e-3),  # encode 3, middle 7 (held up), decode 4: the least whole run, 14
+            (0.0, 3.5e-3, 6.5e-3, 15.5e-3)]  # encode 3.5, middle 3, decode 9
+    assert measure.plan_seconds(runs, clock) == pytest.approx((3e-3, 3e-3, 4e-3))  # not 14 - 3 - 3 = 8 for decode
+
+
 def test_the_choice_is_never_predicted_slower_than_plain_and_leaves_hidden_buckets_plain():
     ready = [0.0, 0.050, 0.100]
     cheap = {"plain": Cost(0.0, 0.010, 0.0), "allgather": Cost(0.001, 0.001, 0.001)}
