@@ -153,10 +153,11 @@ class WarmupTimings:
     def busy_periods(self, step: int) -> list[tuple[list[tuple], float]]:
         """The trial's timed collectives of step `step` in the link's busy periods: in launch order, a period goes on
         while the next collective is launched before the last completion in it so far (gloo runs two at once, which
-        then share the link). Each period: its collectives (option, kind, bytes) and the seconds it held the link
-        after backward, from the step's last hook call (backward's end on this rank) or its first launch where later,
-        to its last completion. Before that call, a collective in flight shares the cores with backward, or waits for
-        ranks still in it. Periods that ended before that call are left out (hidden behind backward), as is every
+        then share the link). Each period: its collectives (option, kind, bytes, seconds in flight after backward:
+        from the step's last hook call, backward's end on this rank, to its completion where launched before it,
+        else inf) and the seconds it held the link after backward, from that call or its first launch where later,
+        to its last completion. Before that call, a collective in flight shares the cores with backward, or waits
+        for ranks still in it. Periods that ended before that call are left out (hidden behind backward), as is every
         period of a step where any collective did not complete."""
         entries, calls = self.collectives.get(step, []), self.steps.get(step)
         if not entries or not calls or any(entry[4] is None for entry in entries):
@@ -171,7 +172,8 @@ class WarmupTimings:
                 if members and end > max(start, backward_done):
                     periods.append((members, end - max(start, backward_done)))
                 members, start = [], launched
-            members.append(collective)
+            after_backward = completed - backward_done if launched < backward_done else math.inf
+            members.append((*collective, max(after_backward, 0.0)) if collective else None)
             end = max(end, completed)
         return periods
 
@@ -179,19 +181,22 @@ class WarmupTimings:
         """Per option and collective kind, how much slower than alone its collectives ran in the trial's steps: each
         busy period's seconds after backward (busy_periods) over the sum of its collectives' probes' times at their
         sizes (curves: kind -> Curve), and per option and kind the median over its collectives in those periods. A
-        period with a kind that has no curve is left out. Timing each collective alone from the completion before
-        its own (as gradcomp did before) left out the time it shared the link with one issued during backward: at 4
-        ranks behind 100 Mbit/s, two all-gathers read 0.33x their probes, and the step was predicted at 0.41 of what
-        it measured. The seconds hold this rank's waits for others still encoding: a rank's window holds them too
-        (the least over the ranks is taken of the medians, not of each collective)."""
+        collective launched during backward counts at most for its seconds in flight after it: it did the rest
+        before. Counted whole, ResNet-18's 931 KB all-gather at 4 ranks behind 100 Mbit/s, launched 90 ms before
+        backward's end, read the link at 0.6 of its probes, and signsgd's allgather was predicted at 0.42 of what it
+        measured. A period with a kind that has no curve is left out. Timing each collective alone from the
+        completion before its own (as gradcomp did before) left out the time it shared the link with one issued
+        during backward: at 4 ranks behind 100 Mbit/s, two all-gathers read 0.33x their probes, and the step was
+        predicted at 0.41 of what it measured. The seconds hold this rank's waits for others still encoding: a rank's
+        window holds them too (the least over the ranks is taken of the medians, not of each collective)."""
         ratios: dict[tuple[str, str], list[float]] = {}
         for step in self.collectives:
             for members, seconds in self.busy_periods(step):
-                if not all(kind in curves for _, kind, _ in members):
+                if not all(kind in curves for _, kind, _, _ in members):
                     continue
-                alone = sum(curves[kind](nbytes) for _, kind, nbytes in members)
+                alone = sum(min(curves[kind](nbytes), after_backward) for _, kind, nbytes, after_backward in members)
                 if alone > 0:
-                    for option, kind, _ in members:
+                    for option, kind, _, _ in members:
                         ratios.setdefault((option, kind), []).append(seconds / alone)
         loads: dict[str, dict[str, float]] = {}
         for (option, kind), values in sorted(ratios.items()):

@@ -6,6 +6,7 @@ compressed (nothing lost), the refusals, and the trial that measures the model's
 from __future__ import annotations
 
 import json
+import math
 import random
 
 import pytest
@@ -277,11 +278,12 @@ def test_the_trials_collectives_give_each_option_and_kind_the_load_of_the_links_
         # launched all-gather first, all-to-all second, ended the other way round: one period of 5 ms
         12: [["two-phase", "all-gather", 100, 60.0, 60.005], ["two-phase", "all-to-all", 1000, 60.001, 60.003]]}
     assert [(members, pytest.approx(seconds)) for members, seconds in timings.busy_periods(7)] == \
-        [([("allgather", "all-gather", 100)] * 2, pytest.approx(4e-3))]
+        [([("allgather", "all-gather", 100, pytest.approx(3e-3)), ("allgather", "all-gather", 100, math.inf)],
+          pytest.approx(4e-3))]  # the first launched during backward: 3 ms of it in flight after
     assert [seconds for _, seconds in timings.busy_periods(8)] == [pytest.approx(4e-3), pytest.approx(1.5e-3)]
     assert timings.busy_periods(9) == []
     assert [(members, pytest.approx(seconds)) for members, seconds in timings.busy_periods(10)] == \
-        [([("allgather", "allreduce", 8)], pytest.approx(1e-3))]
+        [([("allgather", "allreduce", 8, math.inf)], pytest.approx(1e-3))]
     curves = {"all-to-all": Curve((1000.0,), (1e-3,)), "all-gather": Curve((100.0,), (5e-4,))}
     loads = timings.collective_loads(curves)
     assert set(loads) == {"two-phase", "allgather"} and set(loads["two-phase"]) == {"all-to-all", "all-gather"}
@@ -296,6 +298,20 @@ def test_the_trials_collectives_give_each_option_and_kind_the_load_of_the_links_
     timings.returns = {8: {0: 19.001, 1: 20.0005}, 9: {0: 29.001, 1: 30.0005}}
     # the last call to the last completion, and the 1 ms inside the call before it
     assert timings.trial_windows([7, 8, 9]) == {8: pytest.approx(0.0075)}
+
+
+def test_a_collective_launched_during_backward_counts_at_most_for_its_time_in_flight_after_it():
+    """The period's seconds start at backward's end; a collective launched before it did the rest of its work
+    before, so its probe is counted for no more than its seconds in flight after backward's end."""
+    timings = measure.WarmupTimings()
+    timings.clock = measure.Clock(torch.device("cpu"))
+    timings.steps = {1: [(0, 0.0), (1, 0.1)]}  # backward ends at 0.1 s
+    # a 9 ms all-gather launched at 0.095 (5 ms of it in flight after backward), then a 3 ms one launched after
+    timings.collectives = {1: [["allgather", "all-gather", 900, 0.095, 0.105], ["allgather", "all-gather", 300,
+                                                                                 0.1001, 0.109]]}
+    curves = {"all-gather": Curve((300.0, 900.0), (3e-3, 9e-3))}
+    # 9 ms after backward over 5 ms + 3 ms (the whole 9 + 3 ms would read the link at 0.75)
+    assert timings.collective_loads(curves) == {"allgather": {"all-gather": pytest.approx(9 / 8)}}
 
 
 def test_after_the_trial_each_compressed_options_collectives_are_taken_at_their_own_loads():
