@@ -20,7 +20,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
 import gradcomp.lightning
-from common import BATCH, CODECS, EPOCHS, STEPS_PER_EPOCH, make_dataset, make_network, make_optimizer, save_weights
+from common import (BATCH, CODECS, EPOCHS, STEPS_PER_EPOCH, end_process_group, make_dataset, make_network, make_optimizer,
+                    save_weights)
 
 
 class Classifier(L.LightningModule):
@@ -67,6 +68,7 @@ def main() -> None:
         elif phase == "mismatch":
             other = next(spec for name, spec in CODECS.items() if name != codec)
             fit(out_dir, codec, "mismatch", EPOCHS, other, ckpt_path=last)
+    end_process_group()  # Lightning leaves its group to the interpreter's exit, where gloo's threads can abort it
 
 
 if __name__ == "__main__":
