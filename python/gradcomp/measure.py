@@ -349,8 +349,8 @@ def time_plan(plan, sample: torch.Tensor, world: int, rank: int, nodes, clock: C
 
 def plan_seconds(runs: list, clock: Clock) -> tuple[float, float, float]:
     """(encode, middle, decode): the least over the runs of each part, to the first collective, from there to the
-    last, and after it (after clock.sync()). Each part's own least: the least whole run less the other parts' least
-    put into the decode what preemption added to one run's middle (a two-phase decode twice its measure)."""
+    last, and after it (after clock.sync()). Not the least whole run less the other parts' least: that put into the
+    decode what preemption added to that run's middle (a two-phase decode at twice its measure)."""
     encode = min(clock.seconds(start, first) for start, first, _, _ in runs)
     middle = min(clock.seconds(first, last) for _, first, last, _ in runs)
     decode = min(clock.seconds(last, end) for _, _, last, end in runs)

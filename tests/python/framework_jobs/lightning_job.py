@@ -20,8 +20,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
 import gradcomp.lightning
-from common import (BATCH, CODECS, EPOCHS, STEPS_PER_EPOCH, end_process_group, make_dataset, make_network, make_optimizer,
-                    save_weights)
+from common import (BATCH, CODECS, EPOCHS, STEPS_PER_EPOCH, end_process_group, make_dataset, make_network,
+                    make_optimizer, save_weights)
 
 
 class Classifier(L.LightningModule):
