@@ -16,7 +16,8 @@
 // every element at or above that bin, with its key, in index order (about 2k of them). The exact
 // k-th largest key is found among the gathered keys, and the gathered list yields every element
 // above it plus the first ones equal to it. Should the sample have aimed too high (fewer than k
-// gathered), a histogram pass over M finds the exact bin and the gathering is redone.
+// gathered), or found too few keys above the lowest bin, a histogram pass over M finds the exact bin
+// and the gathering is redone.
 #include <algorithm>
 #include <cmath>
 #include <functional>
@@ -45,8 +46,14 @@ struct Candidates {
   }
 };
 
+// A lowest key no key reaches (keys are below 2^31): gathers nothing, so the exact pass runs.
+constexpr uint32_t kAboveEveryKey = 0xFFFFFFFFu;
+
 // The lowest key of the bin that, by a sample of the keys, at least k elements reach, lowered by a
-// margin of about four standard deviations of the sample count.
+// margin of about four standard deviations of the sample count. Where the sample reaches the lowest
+// bin, kAboveEveryKey: M is then mostly zeros (a sparse gradient, or the two-phase owner's sum of a
+// few top-k payloads), and gathering at bin 0 would gather every element and select among them all
+// (15x the exact passes' time on such a chunk).
 template <typename KeyAt>
 uint32_t estimated_lowest_key(int64_t n, int64_t k, KeyAt&& key_at) {
   if (n <= kSample) return 0;  // small tensors: gather everything
@@ -59,7 +66,7 @@ uint32_t estimated_lowest_key(int64_t n, int64_t k, KeyAt&& key_at) {
   int64_t reached = 0;
   int bin = kBins - 1;
   while (bin > 0 && reached + histogram[bin] < wanted) reached += histogram[bin--];
-  return static_cast<uint32_t>(bin) << kBinShift;
+  return bin == 0 ? kAboveEveryKey : static_cast<uint32_t>(bin) << kBinShift;
 }
 
 // The lowest key of the bin holding the k-th largest key of m, by a histogram of all of m.

@@ -204,6 +204,17 @@ TEST(TopK, ASampleThatAimsTooHighFallsBackToTheExactBin) {
   for (int64_t k : {70000, 200000}) expect_topk(grad, k);
 }
 
+TEST(TopK, MostlyZeroInputsTakeTheExactBin) {
+  // A few nonzeros spread over many zeros (a sparse gradient; the two-phase owner's sum of top-k
+  // payloads): the sample finds too few keys above the lowest bin, and the exact pass selects. With
+  // fewer nonzeros than k, the first zeros in index order make up the rest.
+  const int64_t n = 1 << 20, nonzeros = 9000;
+  std::vector<float> grad(n, 0.0f);
+  std::mt19937 rng(5);
+  for (int64_t j = 0; j < nonzeros; ++j) grad[rng() % n] = static_cast<float>(static_cast<int>(rng() % 2001) - 1000);
+  for (int64_t k : {int64_t{1}, int64_t{6000}, int64_t{8900}, int64_t{12000}}) expect_topk(grad, k);
+}
+
 TEST(TopK, NanRanksAboveInfinity) {
   std::vector<float> grad = {1.0f, -INFINITY, 3.0f, NAN, -2.0f};
   const auto payload = encode({Codec::TopK, 2, 0}, grad, nullptr);
