@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import time
 
 import pytest
 import torch
@@ -377,6 +378,28 @@ def test_a_dry_runs_parts_are_each_the_least_over_the_runs_not_the_rest_of_the_l
     runs = [(0.0, 3e-3, 10e-3, 14e-3),  # encode 3, middle 7 (held up), decode 4: the least whole run, 14
             (0.0, 3.5e-3, 6.5e-3, 15.5e-3)]  # encode 3.5, middle 3, decode 9
     assert measure.plan_seconds(runs, clock) == pytest.approx((3e-3, 3e-3, 4e-3))  # not 14 - 3 - 3 = 8 for decode
+
+
+def test_a_plans_dry_runs_leave_out_the_first_launch_and_time_each_later_one_from_start_to_end():
+    """time_plan launches the plan once untimed (its first run pays for allocations), then `repeats` timed runs,
+    each marked at its start, first and last collective and end, in that order."""
+    class CountingPlan:  # one local allreduce per launch, the first launch slow
+        numel, shapes = 6, [torch.Size([2, 3])]
+
+        def __init__(self):
+            self.launches = 0
+
+        def launch(self, step, data, views):
+            self.launches += 1
+            if self.launches == 1:
+                time.sleep(0.05)
+            return step.allreduce(data)
+
+    plan, clock = CountingPlan(), measure.Clock(torch.device("cpu"))
+    runs = measure.time_plan(plan, torch.ones(4), world=2, rank=0, nodes=None, clock=clock, repeats=3)
+    assert plan.launches == 4 and len(runs) == 3
+    assert all(start <= first <= last <= end for start, first, last, end in runs)
+    assert max(end - start for start, _, _, end in runs) < 0.05  # the slow first launch is not among them
 
 
 def test_the_choice_is_never_predicted_slower_than_plain_and_leaves_hidden_buckets_plain():
