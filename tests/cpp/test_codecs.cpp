@@ -206,8 +206,8 @@ TEST(TopK, ASampleThatAimsTooHighFallsBackToTheExactBin) {
 
 TEST(TopK, MostlyZeroInputsTakeTheExactBin) {
   // A few nonzeros spread over many zeros (a sparse gradient; the two-phase owner's sum of top-k
-  // payloads): the sample finds too few keys above the lowest bin, and the exact pass selects. With
-  // fewer nonzeros than k, the first zeros in index order make up the rest.
+  // payloads): for the larger k the sample finds too few keys above the lowest bin, and the exact
+  // pass selects. With fewer nonzeros than k, the first zeros in index order make up the rest.
   const int64_t n = 1 << 20, nonzeros = 9000;
   std::vector<float> grad(n, 0.0f);
   std::mt19937 rng(5);
