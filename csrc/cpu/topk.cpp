@@ -53,7 +53,7 @@ constexpr uint32_t kAboveEveryKey = 0xFFFFFFFFu;
 // margin of about four standard deviations of the sample count. Where the sample reaches the lowest
 // bin, kAboveEveryKey: M is then mostly zeros (a sparse gradient, or the two-phase owner's sum of a
 // few top-k payloads), and gathering at bin 0 would gather every element and select among them all
-// (15x the exact passes' time on such a chunk).
+// (7x the exact passes' time on the 2-rank MLP's owner chunk: 13.0 against 1.8 ms).
 template <typename KeyAt>
 uint32_t estimated_lowest_key(int64_t n, int64_t k, KeyAt&& key_at) {
   if (n <= kSample) return 0;  // small tensors: gather everything
