@@ -111,13 +111,20 @@ def shaping_problem() -> str | None:
     return None
 
 
+# The token bucket's depth: 128 KB passes at once after an idle link. Behind 100 Mbit/s that is 10 ms of the link
+# per step for free, which a real link never gives (see policy.py's --burst).
+DEFAULT_BURST = "128kb"
+
+
 class Namespaces:
     """count network namespaces <prefix>-<i>, each with eth0 = one end of a veth pair whose other end joins one
     bridge, namespace i at <subnet>.<i+1>; rate: a tc token bucket on both ends of every veth (what the namespace
-    sends and what it receives), or None. Every byte that leaves a namespace crosses its own eth0."""
+    sends and what it receives), or None; burst: the bucket's depth, what passes at the veth's own speed after the
+    link has been idle for burst / rate. Every byte that leaves a namespace crosses its own eth0."""
 
-    def __init__(self, prefix: str, count: int, subnet: str, rate: str | None):
+    def __init__(self, prefix: str, count: int, subnet: str, rate: str | None, burst: str = DEFAULT_BURST):
         self.prefix, self.count, self.subnet, self.rate = f"{prefix}{os.getpid() % 100000}", count, subnet, rate
+        self.burst = burst
         self.bridge = f"{self.prefix}br"
         self.previous_sigterm = None
 
@@ -141,7 +148,7 @@ class Namespaces:
                 run(*inside, "ip", "link", "set", "eth0", "up")
                 run(*inside, "ip", "link", "set", "lo", "up")
                 if self.rate:
-                    shape = ["root", "tbf", "rate", self.rate, "burst", "128kb", "latency", "100ms"]
+                    shape = ["root", "tbf", "rate", self.rate, "burst", self.burst, "latency", "100ms"]
                     run(*inside, "tc", "qdisc", "add", "dev", "eth0", *shape)  # what the namespace sends
                     run("tc", "qdisc", "add", "dev", host_end, *shape)  # what it receives
         except BaseException:
@@ -173,10 +180,10 @@ def exit_on_sigterm():
 
 
 def run_in_namespaces(prefix: str, world: int, subnet: str, rate: str | None, script: str, port: int,
-                      arguments: list[str], timeout: float, what: str):
+                      arguments: list[str], timeout: float, what: str, burst: str = DEFAULT_BURST):
     """Runs `script` once per rank, each in a namespace of its own (Namespaces) with gloo on its eth0, as
     `script --rank R --world W --port P --rank-out OUT *arguments`; returns what rank 0 wrote to OUT."""
-    with tempfile.TemporaryDirectory() as tmp, Namespaces(prefix, world, subnet, rate) as links:
+    with tempfile.TemporaryDirectory() as tmp, Namespaces(prefix, world, subnet, rate, burst) as links:
         out = os.path.join(tmp, "result.json")
         environment = {**os.environ, "GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1"}
         commands = [["ip", "netns", "exec", links.namespace(rank), sys.executable, os.path.abspath(script),

@@ -40,6 +40,7 @@ import gc
 import json
 import os
 import random
+import re
 import statistics
 import sys
 import time
@@ -56,7 +57,7 @@ import gradcomp.policy as time_policy
 
 sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)),
                 os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")]
-from bench_common import machine, run_in_namespaces, shaping_problem, write_results  # noqa: E402
+from bench_common import DEFAULT_BURST, machine, run_in_namespaces, shaping_problem, write_results  # noqa: E402
 from network import resnet18  # noqa: E402
 from scaling import make_model as large_gradient_mlp, no_communication  # noqa: E402
 from train_ddp import finish_spawned_rank  # noqa: E402
@@ -319,7 +320,7 @@ def run_world(args, world: int, link: str) -> list:
                               "--block", str(args.block), "--models", *args.models, "--codecs", *args.codecs,
                               *(["--trial-timings"] if args.trial_timings else [])],
                              args.timeout,
-                             f"{world} ranks, {link}")
+                             f"{world} ranks, {link}", burst=args.burst)
 
 
 # -- the report --------------------------------------------------------------------------------------------------------
@@ -450,6 +451,9 @@ def parse_args(argv=None):
                         help="timed steps of a configuration in a row, after one untimed (default 1: one timed step "
                              "of each in turn); a job runs its own steps one after another")
     parser.add_argument("--timeout", type=float, default=7200, help="seconds for one world size and link")
+    parser.add_argument("--burst", default=DEFAULT_BURST,
+                        help=f"the shaped links' token bucket (tc tbf's burst, default {DEFAULT_BURST}): what passes "
+                             "at once after the link idled, which no real link lets through")
     parser.add_argument("--trial-timings", action="store_true",
                         help="keep every rank's timings of each policy trial's steps in the JSON's runs (TrialTimings)")
     parser.add_argument("--quick", action="store_true")
@@ -464,6 +468,8 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if args.block < 1:
         parser.error(f"--block {args.block}: give 1 or more timed steps in a row")
+    if not re.fullmatch(r"[1-9][0-9]*([kmg]?b|[kmg]|[kmg]?bit)?", args.burst):
+        parser.error(f"--burst {args.burst!r}: give a size as tc reads it (bytes, or with b, kb, mb or kbit: 16kb)")
     if args.quick:
         args.worlds = args.worlds or [2]
         args.links = args.links or ["1gbit", "unshaped"]
@@ -535,6 +541,7 @@ def main(argv=None) -> int:
     report(table_rows(runs, args.codecs), stem,
            {"machine": machine(), "parameters": parameters, "steps": args.steps, "warmup": args.warmup,
             "rounds": args.rounds, "block": args.block, "worlds": args.worlds, "links": args.links, "codecs": args.codecs,
+            "burst": args.burst,
             "runs": [{"world": w, "link": link, **e} for (w, link), entries in runs.items() for e in entries]})
     return 0
 

@@ -123,6 +123,29 @@ def test_shaping_is_tried_not_assumed_from_root(monkeypatch):
     assert any(c[:3] == ["ip", "netns", "exec"] and "tbf" in c for c in calls)  # the rate limit was tried too
 
 
+def test_the_token_buckets_depth_reaches_both_ends_of_every_shaped_link(monkeypatch):
+    """--burst sets tc tbf's burst on what a namespace sends and on what it receives; without it, the 128 KB that
+    every committed run used."""
+    common = load_benchmark("bench_common.py")
+    calls = []
+    monkeypatch.setattr(common.subprocess, "run",
+                        lambda command, **_: calls.append(list(command)) or subprocess.CompletedProcess(command, 0))
+    monkeypatch.setattr(common, "exit_on_sigterm", lambda: None)
+    for burst, expected in ((None, "128kb"), ("16kb", "16kb")):
+        calls.clear()
+        chosen = {} if burst is None else {"burst": burst}
+        with common.Namespaces("gct", 2, "10.1.2", "100mbit", **chosen):
+            pass
+        shaped = [c for c in calls if "tbf" in c]
+        assert len(shaped) == 4, shaped  # 2 namespaces x (eth0 inside, the veth's host end)
+        assert all(c[c.index("burst") + 1] == expected and c[c.index("rate") + 1] == "100mbit" for c in shaped)
+    policy = load_benchmark("policy.py")
+    assert policy.parse_args([]).burst == "128kb" and policy.parse_args(["--burst", "16kb"]).burst == "16kb"
+    for bad in ("lots", "0", "16 kb"):
+        with pytest.raises(SystemExit):
+            policy.parse_args(["--burst", bad])
+
+
 @pytest.mark.skipif(threading.current_thread() is not threading.main_thread(),
                     reason="signal handlers are the main thread's")
 def test_a_terminated_benchmark_removes_its_namespaces(monkeypatch):
