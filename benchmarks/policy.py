@@ -5,6 +5,8 @@ cost model's predictions next to what was measured.
     sudo python benchmarks/policy.py --quick    # 2 ranks, 1 Gbit/s and unshaped, the MLP, signsgd and topk
 
 Every rank runs in a network namespace of its own (as scaling.py), its eth0 shaped both ways by a tc token bucket.
+Its depth (--burst, default 128kb as in every committed run) passes at once after the link idled: behind 100 Mbit/s,
+10 ms of the link per step for free, which a real link never gives; --burst 16kb leaves about 1 ms.
 Per world size and link, one process group runs every configuration of every model, ROUNDS times. A round builds
 every configuration of a model afresh and warms each up (the policy's decision and trial included), then times
 --steps steps of each, one step of every configuration in turn (in an order shuffled anew for each step, the
