@@ -18,7 +18,8 @@ from .powersgd import PowerSGD
 from .step import Step
 
 PROBE_BYTES = tuple(1 << b for b in range(10, 24, 2)) + (1 << 23,)  # up to the largest bucket, at most 8 MiB
-PROBE_REPEATS = 2  # after one untimed run; the least is kept (the others met noise)
+# after one untimed run; the least is kept: the others met noise, or (gloo) a peer's late start (_probe)
+PROBE_REPEATS = 4
 
 
 class Clock:
@@ -358,7 +359,12 @@ def plan_seconds(runs: list, clock: Clock) -> tuple[float, float, float]:
 
 
 def _probe(group, kind: str, nbytes: int, device: torch.device, clock: Clock) -> tuple:
-    """Marks around PROBE_REPEATS runs of one collective of nbytes per rank (after one untimed)."""
+    """Marks around PROBE_REPEATS runs of one collective of nbytes per rank (after one untimed), each run started
+    together by a one-element allreduce. Why together: gloo sends only to a posted receive, and a rank that starts
+    after its peer's receive notice has come writes its data before its own notice, so the peer's data waits behind
+    it; run after run, the rank that finished last starts last again, and a lone all-gather of 4 MB behind 100 Mbit/s
+    read 1.5x, an all-to-all 2x, the link's time. Lined up, about half the runs escape it; a step's collectives, two
+    at a time on gloo's threads, keep the link busy through the wait, and its load (link_load) is read from steps."""
     world = dist.get_world_size(group)
     nbytes = max(world * 4, nbytes - nbytes % (world * 4))
     data = torch.zeros(nbytes // 4, dtype=torch.float32, device=device)
@@ -376,8 +382,10 @@ def _probe(group, kind: str, nbytes: int, device: torch.device, clock: Clock) ->
         scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         run = lambda: scatter(out, data, group=group, async_op=True)  # noqa: E731
     run().wait()
+    together = torch.zeros(1, dtype=torch.float32, device=device)
     marks = []
     for _ in range(PROBE_REPEATS):
+        dist.all_reduce(together, group=group, async_op=True).wait()
         start = clock.mark()
         run().wait()
         marks.append((start, clock.mark()))

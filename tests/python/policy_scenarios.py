@@ -5,6 +5,7 @@ gradcomp.policy.choose is replaced by a schedule: one list of option names per d
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -204,3 +205,28 @@ def on_gpu(rank, world, configs, steps_after):
                      "stats": state.stats()["total"], "params": [p.detach().cpu() for p in model.parameters()]}
     time_policy.choose = choose
     return out
+
+
+
+class _LateWork:
+    def __init__(self, work, late: float):
+        self.work, self.late = work, late
+
+    def wait(self, *args):
+        done = self.work.wait(*args)
+        time.sleep(self.late)
+        return done
+
+
+def probed_with_a_late_peer(rank, world, late):
+    """measure_links' all-gather curve (small sizes) on this rank, rank 1 returning from every all-gather `late`
+    seconds after it completed: a peer that starts every next run late (on gloo, the rank that finished a run last
+    starts the next one last)."""
+    if rank == 1:
+        for name in ("all_gather_single", "all_gather_into_tensor"):
+            gather = getattr(dist, name, None)
+            if gather is not None:
+                setattr(dist, name, lambda *a, _gather=gather, **k: _LateWork(_gather(*a, **k), late))
+    curves = measure.measure_links({"world": ["all-gather"]}, {"world": None}, 4096, torch.device("cpu"),
+                                   measure.Clock(torch.device("cpu")))
+    return curves["world/all-gather"].seconds
