@@ -111,6 +111,15 @@ def shaping_problem() -> str | None:
     return None
 
 
+def refused_without_shaping(script: str) -> bool:
+    """Whether this machine cannot give every rank a namespace and a shaped link of its own; if so, says why."""
+    problem = shaping_problem()
+    if problem:
+        print(f"{script} needs root to give every rank a namespace and a link of its own: {problem}. "
+              f"Nothing was measured.")
+    return problem is not None
+
+
 # The token bucket's depth: 128 KB passes at once after an idle link. Behind 100 Mbit/s that is 10 ms of the link
 # per step for free, which a real link never gives (see policy.py's --burst).
 DEFAULT_BURST = "128kb"

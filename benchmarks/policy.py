@@ -59,7 +59,8 @@ import gradcomp.policy as time_policy
 
 sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)),
                 os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")]
-from bench_common import DEFAULT_BURST, machine, run_in_namespaces, shaping_problem, write_results  # noqa: E402
+from bench_common import (DEFAULT_BURST, machine, refused_without_shaping, run_in_namespaces,  # noqa: E402
+                          write_results)
 from network import resnet18  # noqa: E402
 from scaling import make_model as large_gradient_mlp, no_communication  # noqa: E402
 from train_ddp import finish_spawned_rank  # noqa: E402
@@ -527,10 +528,7 @@ def main(argv=None) -> int:
             rows = table_rows(by_link, saved["codecs"])
         report(rows, stem, {k: v for k, v in saved.items() if k not in ("rows", "summary")})
         return 0
-    problem = shaping_problem()
-    if problem:
-        print(f"policy.py needs root to give every rank a namespace and a link of its own: {problem}. "
-              f"Nothing was measured.")
+    if refused_without_shaping("policy.py"):
         return 0
     runs = {}
     for world in args.worlds:

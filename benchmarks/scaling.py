@@ -40,7 +40,7 @@ import gradcomp
 
 sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)),
                 os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")]
-from bench_common import (machine, namespace_rank_main, run_in_namespaces, shaping_problem,  # noqa: E402
+from bench_common import (machine, namespace_rank_main, refused_without_shaping, run_in_namespaces,  # noqa: E402
                           write_results)
 from train_ddp import finish_spawned_rank  # noqa: E402
 
@@ -332,10 +332,7 @@ def main(argv=None) -> int:
     if args.rank is not None:
         finish_spawned_rank(args.rank, lambda _: rank_main(args))  # exits 0 (a gloo thread can abort shutdown)
         return 0
-    problem = shaping_problem()
-    if problem:
-        print(f"scaling.py needs root to give every rank a namespace and a link of its own: {problem}. "
-              f"Nothing was measured.")
+    if refused_without_shaping("scaling.py"):
         return 0
     configs = list(dict.fromkeys(["plain DDP", "no communication (limit)", *args.configs]))
     runs = {}

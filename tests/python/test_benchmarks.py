@@ -88,7 +88,8 @@ def test_network_tiny_mode(tmp_path):
     assert (tmp_path / "network_tiny.png").read_bytes()[:8] == PNG_MAGIC
 
 
-@pytest.mark.parametrize("script", ["network.py", "scaling.py", "hierarchical.py", "policy.py", "fsdp_bytes.py"])
+@pytest.mark.parametrize("script", ["network.py", "scaling.py", "hierarchical.py", "policy.py", "fsdp_bytes.py",
+                                    "probe_start.py"])
 def test_network_benchmarks_without_root_explain_and_exit_cleanly(script, tmp_path, monkeypatch, capsys):
     benchmark = load_benchmark(script)
     monkeypatch.setattr(benchmark.os, "geteuid", lambda: 1000)
@@ -276,6 +277,23 @@ def test_policy_quick_mode_times_every_option_and_the_policy(tmp_path):
         [{k: v for k, v in row.items() if k != "predicted_exposed_ms"} for row in report["rows"]]
     assert report["summary"]["predictions"] == report["summary"]["predictions_as_decided"] > 0
     assert (tmp_path / "policy_quick.png").read_bytes()[:8] == PNG_MAGIC
+
+
+@needs_shaping
+def test_probe_start_quick_mode_times_each_kind_as_they_come_and_together(tmp_path):
+    stdout = run_script(BENCHMARKS / "probe_start.py", "--quick", "--out", tmp_path)
+    report = json.loads((tmp_path / "probe_start_quick.json").read_text())
+    rows = {(r["kind"], r["bytes"], r["start"]): r for r in report["rows"]}
+    assert set(rows) == {(kind, size, start) for kind in ("all-gather", "all-to-all", "allreduce")
+                         for size in (64 << 10, 1 << 20) for start in ("as they come", "together")}, stdout
+    for (kind, size, _), row in rows.items():
+        assert len(row["runs_ms"]) == 3 and min(row["runs_ms"]) == row["least_ms"] <= row["median_ms"]
+        sent = {"all-gather": 1, "all-to-all": 0.5, "allreduce": 1}[kind] * size  # per rank, at 2 ranks
+        assert row["link_ms"] == pytest.approx(1e3 * sent / 125e6)  # 1 Gbit/s
+        if size == 1 << 20:  # past the token bucket's 128 KB burst, the link's rate holds every run back
+            assert row["least_vs_link"] > 0.5
+    assert (tmp_path / "probe_start_quick.csv").read_text().count("\n") == 13  # header + 12 rows
+    assert (tmp_path / "probe_start_quick.png").read_bytes()[:8] == PNG_MAGIC
 
 
 def test_two_phase_ops_quick_mode(tmp_path):
