@@ -1,6 +1,6 @@
 """A lone collective's time on gloo behind a slow link, by how its ranks start: as they come, or together.
 
-    sudo python benchmarks/probe_start.py            # 2 ranks behind 100 Mbit/s, 1-8 MiB (about 4 minutes)
+    sudo python benchmarks/probe_start.py            # 2 ranks behind 100 Mbit/s, 1-8 MiB, 10 runs of each (2 minutes)
     sudo python benchmarks/probe_start.py --quick    # 1 Gbit/s, 64 KiB and 1 MiB, 3 runs of each
 
 Why it matters: gloo sends only into a receive its peer has posted, and the notices that a receive is posted travel

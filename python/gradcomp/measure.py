@@ -363,8 +363,9 @@ def _probe(group, kind: str, nbytes: int, device: torch.device, clock: Clock) ->
     together by a one-element allreduce. Why together: gloo sends only to a posted receive, and a rank that starts
     after its peer's receive notice has come writes its data before its own notice, so the peer's data waits behind
     it; run after run, the rank that finished last starts last again, and a lone all-gather of 4 MB behind 100 Mbit/s
-    read 1.5x, an all-to-all 2x, the link's time. Lined up, about half the runs escape it; a step's collectives, two
-    at a time on gloo's threads, keep the link busy through the wait, and its load (link_load) is read from steps."""
+    read 1.5x, an all-to-all 2x, the link's time. Lined up, a third to a half of the runs escape it
+    (benchmarks/probe_start.py). A step's collectives, two at a time on gloo's threads, keep the link busy through
+    the wait, and the trial's steps read what is left as a load (gradcomp.policy.in_step)."""
     world = dist.get_world_size(group)
     nbytes = max(world * 4, nbytes - nbytes % (world * 4))
     data = torch.zeros(nbytes // 4, dtype=torch.float32, device=device)

@@ -207,8 +207,9 @@ def on_gpu(rank, world, configs, steps_after):
     return out
 
 
-
 class _LateWork:
+    """A collective's work whose wait returns `late` seconds after the collective completed."""
+
     def __init__(self, work, late: float):
         self.work, self.late = work, late
 
