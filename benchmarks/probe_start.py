@@ -29,6 +29,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from gradcomp.measure import collective_launcher
+
 sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)),
                 os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")]
 from bench_common import ROOT, machine, refused_without_shaping, run_in_namespaces, write_results  # noqa: E402
@@ -41,19 +43,6 @@ SENT_PER_BYTE = {"all-gather": lambda w: w - 1, "all-to-all": lambda w: (w - 1) 
                  "allreduce": lambda w: 2 * (w - 1) / w}
 
 
-def collective(kind: str, nbytes: int, world: int):
-    """A function that launches one collective of nbytes per rank and returns its work."""
-    data = torch.zeros(nbytes // 4)
-    if kind == "all-gather":
-        out = torch.empty(world * data.numel())
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # as gradcomp calls it
-        return lambda: gather(out, data, async_op=True)
-    if kind == "all-to-all":
-        out = torch.empty_like(data)
-        return lambda: dist.all_to_all_single(out, data, async_op=True)
-    return lambda: dist.all_reduce(data, async_op=True)
-
-
 def rank_main(rank: int, args) -> None:
     """One rank, inside its namespace: every kind, size and start in turn; rank 0 writes its runs' seconds."""
     torch.set_num_threads(1)
@@ -63,7 +52,7 @@ def rank_main(rank: int, args) -> None:
         runs = {}
         for kind in args.kinds:
             for size in args.sizes:
-                run = collective(kind, size - size % (4 * args.world), args.world)
+                _, run = collective_launcher(None, kind, size, torch.device("cpu"))  # as the policy probes it
                 run().wait()
                 for start in STARTS:
                     seconds = []

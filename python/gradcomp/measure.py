@@ -358,6 +358,26 @@ def plan_seconds(runs: list, clock: Clock) -> tuple[float, float, float]:
     return encode, middle, decode
 
 
+def collective_launcher(group, kind: str, nbytes: int, device: torch.device) -> tuple:
+    """(bytes, launch): one collective of `kind` (KINDS) of about nbytes per rank, as the schemes call it, rounded to
+    whole float32 elements that every rank's share divides; launch() starts it and returns its work."""
+    world = dist.get_world_size(group)
+    nbytes = max(world * 4, nbytes - nbytes % (world * 4))
+    data = torch.zeros(nbytes // 4, dtype=torch.float32, device=device)
+    if kind == "allreduce":
+        return nbytes, lambda: dist.all_reduce(data, group=group, async_op=True)
+    if kind == "all-gather":
+        out = torch.empty(world * data.numel(), dtype=data.dtype, device=device)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        return nbytes, lambda: gather(out, data, group=group, async_op=True)
+    if kind == "all-to-all":
+        out = torch.empty_like(data)
+        return nbytes, lambda: dist.all_to_all_single(out, data, group=group, async_op=True)
+    out = torch.empty(data.numel() // world, dtype=data.dtype, device=device)
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return nbytes, lambda: scatter(out, data, group=group, async_op=True)
+
+
 def _probe(group, kind: str, nbytes: int, device: torch.device, clock: Clock) -> tuple:
     """Marks around PROBE_REPEATS runs of one collective of nbytes per rank (after one untimed), each run started
     together by a one-element allreduce. Why together: gloo sends only to a posted receive, and a rank that starts
@@ -366,22 +386,7 @@ def _probe(group, kind: str, nbytes: int, device: torch.device, clock: Clock) ->
     read 1.5x, an all-to-all 2x, the link's time. Lined up, a third to a half of the runs escape it
     (benchmarks/probe_start.py). A step's collectives, two at a time on gloo's threads, keep the link busy through
     the wait, and the trial's steps read what is left as a load (gradcomp.policy.in_step)."""
-    world = dist.get_world_size(group)
-    nbytes = max(world * 4, nbytes - nbytes % (world * 4))
-    data = torch.zeros(nbytes // 4, dtype=torch.float32, device=device)
-    if kind == "allreduce":
-        run = lambda: dist.all_reduce(data, group=group, async_op=True)  # noqa: E731
-    elif kind == "all-gather":
-        out = torch.empty(world * data.numel(), dtype=data.dtype, device=device)
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # as the schemes call it
-        run = lambda: gather(out, data, group=group, async_op=True)  # noqa: E731
-    elif kind == "all-to-all":
-        out = torch.empty_like(data)
-        run = lambda: dist.all_to_all_single(out, data, group=group, async_op=True)  # noqa: E731
-    else:
-        out = torch.empty(data.numel() // world, dtype=data.dtype, device=device)
-        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        run = lambda: scatter(out, data, group=group, async_op=True)  # noqa: E731
+    nbytes, run = collective_launcher(group, kind, nbytes, device)
     run().wait()
     together = torch.zeros(1, dtype=torch.float32, device=device)
     marks = []
