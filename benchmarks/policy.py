@@ -33,7 +33,8 @@ Beside it, the step minus the limit's step; the JSON keeps each step's slowest w
 completion: the wait for the last rank in it).
 With several ranks on 2 cores the ranks' compute is shared, so times compare only within one world size and link.
 How many steps: one step of the MLP varies by 13-16% there, so a median of 48 steps is known to about +-7%; 240 steps
-a round brought the spreads of its cells on fast links under 5% (results/policy_more_steps/).
+a round brought the spreads of its cells on fast links under 5%, and 96-144 those of ResNet-18 at 2 ranks (one step
+9-20%) in 11 of 12 cells (results/policy_more_steps/).
 Results: policy[_quick].{json,csv,png} in --out.
 """
 
@@ -129,10 +130,12 @@ class ExposedWindow:
 class TrialTimings:
     """--trial-timings: each policy configuration's trial as every rank timed it, for re-scoring the cost model's
     loads offline: per counted step, its hook calls (bucket index, call, return) and its collectives (option, kind,
-    bytes per rank, launch, completion), host seconds from the step's first call. Read where gradcomp reads them,
-    at the verdict (WarmupTimings.collective_loads), into the configuration warming up."""
+    bytes per rank, launch, completion), host seconds from the step's first call; and per option its plans'
+    launches (bucket index, host seconds: WarmupTimings.launches, the encodes' loads). Read where gradcomp reads
+    them, at the verdict (WarmupTimings.collective_loads), into the configuration warming up."""
 
     sink: list | None = None
+    launch_sink: dict | None = None
 
     @classmethod
     def install(cls) -> None:
@@ -141,6 +144,9 @@ class TrialTimings:
         def reading(timings, curves):
             if cls.sink is not None and timings.clock is not None and not timings.clock.cuda:
                 cls.sink.extend(cls.steps(timings))
+                cls.launch_sink.clear()  # the verdict's launches (the steps above are keyed by step)
+                cls.launch_sink.update({option: [list(launch) for launch in launches]
+                                        for option, launches in timings.launches.items()})
             return collective_loads(timings, curves)
 
         measure.WarmupTimings.collective_loads = reading
@@ -183,7 +189,7 @@ class Configuration:
             self.ddp.register_comm_hook(self.state, self.window.around(gradcomp.hook))
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.01)
         self.x, self.y = batch(torch.Generator().manual_seed(rank))
-        self.times, self.exposed, self.windows, self.trial_timings = [], [], [], []
+        self.times, self.exposed, self.windows, self.trial_timings, self.trial_launches = [], [], [], [], {}
 
     def step(self) -> None:
         loss = nn.functional.cross_entropy(self.ddp(self.x), self.y)
@@ -195,11 +201,11 @@ class Configuration:
         for _ in range(steps):  # DDP's bucket rebuild, start_iter, the decision, the plans laid out
             self.step()
             self.window.take()
-        TrialTimings.sink = self.trial_timings
+        TrialTimings.sink, TrialTimings.launch_sink = self.trial_timings, self.trial_launches
         while self.state is not None and self.state.deciding:  # the policy's trial: its steps are not timed here
             self.step()
             self.window.take()
-        TrialTimings.sink = None
+        TrialTimings.sink = TrialTimings.launch_sink = None
 
     def timed_step(self) -> None:
         dist.barrier()
@@ -212,7 +218,7 @@ class Configuration:
 
     def result(self) -> dict:
         result = {"times": self.times, "exposed": self.exposed, "windows": self.windows,
-                  "trial_timings": self.trial_timings}
+                  "trial_timings": self.trial_timings, "trial_launches": self.trial_launches}
         if self.state is not None:
             stats = self.state.stats()
             result["schemes"], result["decision"] = stats["schemes"], stats["decision"]
@@ -222,29 +228,37 @@ class Configuration:
 def in_step_again(entry: dict) -> dict | None:
     """A run's predictions after the trial taken again from its trial's timings as every rank kept them
     (--trial-timings), by this gradcomp: each rank's WarmupTimings.collective_loads, the least over the ranks of the
-    compressed options', the encodes' loads and plain's window as the run saved them (what the verdict does, offline);
-    None where the run kept no timings."""
+    compressed options', the encodes' loads from each rank's launches where the run kept them (the least over the
+    ranks; else as the run saved them) and plain's window as the run saved it (what the verdict does, offline); None
+    where the run kept no timings."""
     decision = entry.get("decision") or {}
     saved = decision.get("in_step")
     if not saved or not entry.get("trial_timings"):
         return None
     curves = time_policy.world_links(decision)
+    launches = entry.get("trial_launches") or [None] * len(entry["trial_timings"])
     per_rank = []
-    for steps in entry["trial_timings"]:
+    for steps, launched in zip(entry["trial_timings"], launches):
         timings = measure.WarmupTimings()
         timings.clock = measure.Clock(torch.device("cpu"))
         for step in steps:
             timings.steps[step["step"]] = [(index, called) for index, called, _ in step["calls"]]
             timings.collectives[step["step"]] = [list(collective) for collective in step["collectives"]]
-        per_rank.append(timings.collective_loads(curves))
+        rank = timings.collective_loads(curves)
+        if launched is not None:
+            timings.launches = {option: [tuple(launch) for launch in seconds] for option, seconds in launched.items()}
+            for option, factor in timings.launch_loads(decision).items():
+                rank.setdefault(option, {})["encode"] = factor
+        per_rank.append(rank)
     loads: dict[str, dict[str, float]] = {}
     for option, kinds in per_rank[0].items():
         for kind in kinds:
             if option != "plain" and all(kind in rank.get(option, {}) for rank in per_rank):
                 loads.setdefault(option, {})[kind] = min(rank[option][kind] for rank in per_rank)
-    for option, kinds in saved["loads"].items():
-        if "encode" in kinds:
-            loads.setdefault(option, {})["encode"] = kinds["encode"]
+    if launches[0] is None:  # a run from before the launches were kept: its encodes' loads as it saved them
+        for option, kinds in saved["loads"].items():
+            if "encode" in kinds:
+                loads.setdefault(option, {})["encode"] = kinds["encode"]
     return time_policy.in_step(decision, loads, saved["plain_window_s"])
 
 
@@ -293,6 +307,7 @@ def time_round(args, round_: int, model_name: str) -> list[dict]:
                      "schemes": mine.get("schemes"), "decision": mine.get("decision")})
         if args.trial_timings and mine["trial_timings"]:
             runs[-1]["trial_timings"] = [r["trial_timings"] for r in everyone]  # per rank
+            runs[-1]["trial_launches"] = [r["trial_launches"] for r in everyone]
         if args.rank == 0:
             print(f"  round {round_} {model_name:9s} {label:32s} "
                   f"{1e3 * statistics.median(runs[-1]['step_s']):9.1f} ms", flush=True)
@@ -460,7 +475,8 @@ def parse_args(argv=None):
                         help=f"the shaped links' token bucket (tc tbf's burst, default {DEFAULT_BURST}): what passes "
                              "at once after the link idled, which no real link lets through")
     parser.add_argument("--trial-timings", action="store_true",
-                        help="keep every rank's timings of each policy trial's steps in the JSON's runs (TrialTimings)")
+                        help="keep every rank's timings of each policy trial's steps, and its plans' launches, in the "
+                             "JSON's runs (TrialTimings)")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--replot", action="store_true",
                         help="the tables and plot again from --out's JSON: its rows anew from its runs where it keeps "

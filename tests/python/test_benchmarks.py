@@ -258,7 +258,7 @@ def test_policy_quick_mode_times_every_option_and_the_policy(tmp_path):
     for run in report["runs"]:  # --trial-timings: every rank's counted trial steps, as the verdict read them
         trial = (run.get("decision") or {}).get("trial")
         if trial is None:
-            assert "trial_timings" not in run
+            assert "trial_timings" not in run and "trial_launches" not in run
             continue
         assert len(run["trial_timings"]) == run["world"] == 2
         for steps in run["trial_timings"]:
@@ -268,6 +268,12 @@ def test_policy_quick_mode_times_every_option_and_the_policy(tmp_path):
                 for option, kind, nbytes, launched, completed in step["collectives"]:
                     assert option in run["decision"]["options"] and kind in ("allreduce", "all-gather", "all-to-all")
                     assert nbytes > 0 and completed >= launched
+        assert len(run["trial_launches"]) == 2  # per rank, each plan's launch (the encodes' loads)
+        indices = {bucket["index"] for bucket in run["decision"]["buckets"]}
+        for launches in run["trial_launches"]:
+            assert set(launches) <= set(run["decision"]["options"]) - {"plain"}
+            assert all(index in indices and seconds > 0 for seconds_of in launches.values()
+                       for index, seconds in seconds_of)
     # --replot takes the predictions after the trial again from those timings: what the verdict took on the ranks
     run_script(BENCHMARKS / "policy.py", "--quick", "--replot", "--out", tmp_path)
     again = json.loads((tmp_path / "policy_quick.json").read_text())
