@@ -227,10 +227,10 @@ class Configuration:
 
 def in_step_again(entry: dict) -> dict | None:
     """A run's predictions after the trial taken again from its trial's timings as every rank kept them
-    (--trial-timings), by this gradcomp: each rank's WarmupTimings.collective_loads, the least over the ranks of the
-    compressed options', the encodes' loads from each rank's launches where the run kept them (the least over the
-    ranks; else as the run saved them) and plain's window as the run saved it (what the verdict does, offline); None
-    where the run kept no timings."""
+    (--trial-timings), by this gradcomp: each rank's WarmupTimings.trial_loads (its collectives' loads by kind, and
+    its encodes' bucket by bucket where the run kept its launches; else the encodes' as the run saved them), the
+    least over the ranks of the compressed options', and plain's window as the run saved it (what the verdict does,
+    offline); None where the run kept no timings."""
     decision = entry.get("decision") or {}
     saved = decision.get("in_step")
     if not saved or not entry.get("trial_timings"):
@@ -244,17 +244,12 @@ def in_step_again(entry: dict) -> dict | None:
         for step in steps:
             timings.steps[step["step"]] = [(index, called) for index, called, _ in step["calls"]]
             timings.collectives[step["step"]] = [list(collective) for collective in step["collectives"]]
-        rank = timings.collective_loads(curves)
-        if launched is not None:
-            timings.launches = {option: [tuple(launch) for launch in seconds] for option, seconds in launched.items()}
-            for option, factor in timings.launch_loads(decision).items():
-                rank.setdefault(option, {})["encode"] = factor
-        per_rank.append(rank)
-    loads: dict[str, dict[str, float]] = {}
-    for option, kinds in per_rank[0].items():
-        for kind in kinds:
-            if option != "plain" and all(kind in rank.get(option, {}) for rank in per_rank):
-                loads.setdefault(option, {})[kind] = min(rank[option][kind] for rank in per_rank)
+        timings.launches = {option: [tuple(launch) for launch in seconds]
+                            for option, seconds in (launched or {}).items()}
+        per_rank.append(measure.flat_loads(timings.trial_loads(curves, decision)))
+    least = {name: min(rank[name] for rank in per_rank) for name in per_rank[0]
+             if name[0] != "plain" and all(name in rank for rank in per_rank)}
+    loads = measure.nested_loads(least, len(decision["buckets"]))
     if launches[0] is None:  # a run from before the launches were kept: its encodes' loads as it saved them
         for option, kinds in saved["loads"].items():
             if "encode" in kinds:

@@ -209,19 +209,36 @@ class WarmupTimings:
         the trial (host seconds, on the CPU only)."""
         self.launches.setdefault(option, []).append((index, seconds))
 
-    def launch_loads(self, decision: dict) -> dict[str, float]:
-        """Per option, the median over its buckets' launches in the trial of each one's seconds over the decision's
-        encode for that bucket less the hook's own time (the plan's dry run): how much slower its encodes ran in the
-        step than alone (the caches cold, the cores shared)."""
+    def launch_loads(self, decision: dict) -> dict[str, dict[int, float]]:
+        """Per option and bucket index, the median over that bucket's launches in the trial of each one's seconds over
+        the decision's encode for it less the hook's own time (the plan's dry run): how much slower its encode ran in
+        the step than alone (the caches cold, the cores shared). Per bucket, not one factor per option: ResNet-18's
+        26.5 MB topk bucket launched at 0.55-0.65 of its dry run while its two small ones launched at 1.10-1.76, and
+        their median (1.26-1.37) put topk's allgather at 1.35-1.65x what it measured."""
         hook = saved_hook_seconds(decision)
         encodes = {option: {b["index"]: b["predicted_s"][option][0] - hook for b in decision["buckets"]
                             if option in b["predicted_s"]} for option in self.launches}
-        loads = {}
+        loads: dict[str, dict[int, float]] = {}
         for option, launches in self.launches.items():
-            ratios = [seconds / encodes[option][index] for index, seconds in launches
-                      if encodes[option].get(index, 0.0) > 0]
+            ratios: dict[int, list[float]] = {}
+            for index, seconds in launches:
+                if encodes[option].get(index, 0.0) > 0:
+                    ratios.setdefault(index, []).append(seconds / encodes[option][index])
             if ratios:
-                loads[option] = statistics.median(ratios)
+                loads[option] = {index: statistics.median(values) for index, values in sorted(ratios.items())}
+        return loads
+
+    def trial_loads(self, curves: dict, decision: dict) -> dict[str, dict]:
+        """Per option, its collectives' loads by kind (collective_loads) and, under "encode", its encodes' loads per
+        bucket in the decision's order (launch_loads; None for a bucket it did not launch): what policy.in_step
+        takes, on this rank."""
+        loads = self.collective_loads(curves)
+        positions = {bucket["index"]: at for at, bucket in enumerate(decision["buckets"])}
+        for option, per_bucket in self.launch_loads(decision).items():
+            encode = [None] * len(positions)
+            for index, factor in per_bucket.items():
+                encode[positions[index]] = factor
+            loads.setdefault(option, {})["encode"] = encode
         return loads
 
     def trial_windows(self, steps) -> dict[int, float]:
@@ -461,6 +478,31 @@ def needed_links(options, codec) -> dict[str, list[str]]:
         summable = isinstance(codec, PowerSGD) or codec.collective == "allreduce"
         needed["across"] = ["allreduce"] if summable else ["all-gather", "all-to-all"]
     return needed
+
+
+def flat_loads(loads: dict[str, dict]) -> dict[tuple, float]:
+    """trial_loads' figures by one name each, for taking the least over the ranks: (option, kind), and (option,
+    "encode", position) per bucket launched."""
+    flat = {}
+    for option, kinds in loads.items():
+        for kind, load in kinds.items():
+            if kind == "encode":
+                flat.update({(option, kind, at): factor for at, factor in enumerate(load) if factor is not None})
+            else:
+                flat[(option, kind)] = load
+    return flat
+
+
+def nested_loads(flat: dict[tuple, float], buckets: int) -> dict[str, dict]:
+    """flat_loads' figures back in trial_loads' shape, each option's encodes over `buckets` buckets."""
+    loads: dict[str, dict] = {}
+    for name, load in flat.items():
+        option, kind = name[:2]
+        if kind == "encode":
+            loads.setdefault(option, {}).setdefault(kind, [None] * buckets)[name[2]] = load
+        else:
+            loads.setdefault(option, {})[kind] = load
+    return loads
 
 
 def least_over_ranks(figures: dict, names: list, group, device: torch.device) -> dict:

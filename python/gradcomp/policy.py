@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import statistics
 from dataclasses import dataclass
 
 import torch
@@ -479,9 +480,10 @@ def in_step(decision: dict, loads: dict[str, dict[str, float]], plain_window: fl
     fitted to the warm-up's plain steps:
         each compressed option's collectives at the loads its own steps showed, kind by kind (loads: option -> kind
             -> the link's busy time in the step over its collectives' probes, the least over the ranks:
-            gradcomp.measure's WarmupTimings.collective_loads), and its encode (less the hook's own time) at its
-            plans' launches in those steps over their dry runs (loads: option -> "encode";
-            WarmupTimings.launch_loads);
+            gradcomp.measure's WarmupTimings.collective_loads), and each bucket's encode (less the hook's own time)
+            at its plan's launches in those steps over its dry run (loads: option -> "encode" -> per bucket in the
+            decision's order, None where not launched, which takes the median of the others; one number for every
+            bucket in a decision saved before: WarmupTimings.launch_loads);
         plain's at the load (link_load) that makes its queue end where the trial's steps that sent every bucket
             plain did (plain_window: their window, as the warm-up's is read; None where none ran): the one load is
             fitted to plain's whole window, as at the decision, from steps among the other candidates' (as a run's
@@ -502,7 +504,7 @@ def in_step(decision: dict, loads: dict[str, dict[str, float]], plain_window: fl
         plain_load = link_load(ready, [Cost(*b["predicted_s"]["plain"]).loaded(1 / load) for b in decision["buckets"]],
                                plain_window)
 
-    def at_step(option: str, parts: list[float]) -> Cost:
+    def at_step(option: str, parts: list[float], at: int) -> Cost:
         cost = Cost(*parts)
         if option == "plain":
             return cost if plain_load is None else cost.loaded(plain_load / load)
@@ -512,11 +514,13 @@ def in_step(decision: dict, loads: dict[str, dict[str, float]], plain_window: fl
         def scaled(seconds, kind):
             return seconds / load * measured[kind] if kind in measured and load > 0 else seconds
 
-        encode = cost.encode if "encode" not in measured else hook + (cost.encode - hook) * measured["encode"]
+        factor = encode_load(measured.get("encode"), at)
+        encode = cost.encode if factor is None else hook + (cost.encode - hook) * factor
         return Cost(encode, scaled(cost.wire, wire_kind), cost.decode, cost.middle,
                     scaled(cost.second, second_kind), cost.held)
 
-    costs = [{o: at_step(o, parts) for o, parts in bucket["predicted_s"].items()} for bucket in decision["buckets"]]
+    costs = [{o: at_step(o, parts, at) for o, parts in bucket["predicted_s"].items()}
+             for at, bucket in enumerate(decision["buckets"])]
     timed = {option for option, kinds in loads.items() if set(kinds) - {"encode"}}  # its collectives, in the steps
 
     def at_loads(names: list[str]) -> float:
@@ -528,6 +532,18 @@ def in_step(decision: dict, loads: dict[str, dict[str, float]], plain_window: fl
     predicted = {"policy": at_loads(model_choice), **{o: at_loads([o] * len(costs)) for o in decision["options"]}}
     return {"loads": {option: dict(kinds) for option, kinds in loads.items()}, "plain_window_s": plain_window,
             "plain_load": plain_load, "predicted_exposed_s": predicted}
+
+
+def encode_load(per_bucket, at: int) -> float | None:
+    """The encode's load of the bucket at position `at` (in_step's loads[option]["encode"]): its own; the median of
+    the option's other buckets' where it has none; a decision saved before the loads were per bucket holds one number
+    for every bucket; None where none was measured."""
+    if per_bucket is None or isinstance(per_bucket, (int, float)):
+        return per_bucket
+    if per_bucket[at] is not None:
+        return per_bucket[at]
+    others = [factor for factor in per_bucket if factor is not None]
+    return statistics.median(others) if others else None
 
 
 def saved_hook_seconds(decision: dict) -> float:
@@ -566,7 +582,7 @@ def explain(decision: dict | None, spec: str) -> str:
     lines += policy_trial.describe(decision.get("trial"))
     after = decision.get("in_step")
     if after and (after["loads"] or after.get("plain_load") is not None):
-        loads = [f"{option}'s " + ", ".join(f"{kind} {load:.2f}x" for kind, load in kinds.items())
+        loads = [f"{option}'s " + ", ".join(_load_text(kind, load) for kind, load in kinds.items())
                  for option, kinds in after["loads"].items()]
         if after.get("plain_load") is not None:
             loads.insert(0, f"plain's allreduces {after['plain_load']:.2f}x (its steps spent "
@@ -579,3 +595,10 @@ def explain(decision: dict | None, spec: str) -> str:
                      + ", ".join(f"{o} {predicted[o] * 1e3:.2f}" for o in options)
                      + f", the model's choice {predicted['policy'] * 1e3:.2f}")
     return "\n".join(lines)
+
+
+def _load_text(kind: str, load) -> str:
+    """One of in_step's loads as explain() shows it: a factor, or the encodes' bucket by bucket ("-": not launched)."""
+    if isinstance(load, list):
+        return f"{kind}s by bucket " + "/".join("-" if factor is None else f"{factor:.2f}x" for factor in load)
+    return f"{kind} {load:.2f}x"

@@ -611,19 +611,16 @@ class CompressionState(StateCheckpoints):
 
     def _in_step(self, step: Step, device: torch.device) -> dict:
         """The decision's predictions at the loads that the trial's own steps showed: the compressed options' by
-        their collectives, option by option and kind by kind, and by their plans' launches (on the CPU); plain's by
-        the window of the steps that sent every bucket plain (the least over the ranks: the last rank through
-        backward waits least for the others). The same on every rank."""
-        mine = self._timings.collective_loads(time_policy.world_links(self._decision))
-        for option, factor in self._timings.launch_loads(self._decision).items():
-            mine.setdefault(option, {})["encode"] = factor
+        their collectives, option by option and kind by kind, and by their plans' launches, bucket by bucket (on the
+        CPU); plain's by the window of the steps that sent every bucket plain (the least over the ranks: the last rank
+        through backward waits least for the others). The same on every rank."""
+        mine = self._timings.trial_loads(time_policy.world_links(self._decision), self._decision)
         compressed = [o for o in self._decision["options"] if o != PlainBucket.scheme]  # plain: its window, below
-        names = [(option, kind) for option in compressed for kind in (*time_policy.KINDS, "encode")]
-        least = measure.least_over_ranks({(option, kind): factor for option, kinds in mine.items()
-                                          for kind, factor in kinds.items()}, names, step.group, device)
-        loads: dict[str, dict[str, float]] = {}
-        for (option, kind), factor in least.items():
-            loads.setdefault(option, {})[kind] = factor
+        buckets = len(self._decision["buckets"])
+        names = [(option, kind) for option in compressed for kind in time_policy.KINDS] + \
+            [(option, "encode", at) for option in compressed for at in range(buckets)]
+        least = measure.least_over_ranks(measure.flat_loads(mine), names, step.group, device)
+        loads = measure.nested_loads(least, buckets)
         trial = self._decision["trial"]
         plain = policy_trial.all_plain(trial)
         plain_steps = [s for s in range(trial["start"], trial["start"] + policy_trial.length(trial))

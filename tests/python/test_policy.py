@@ -367,16 +367,42 @@ def test_after_the_trial_each_compressed_options_collectives_are_taken_at_their_
     assert on_link["allgather"] == pytest.approx(15e-3 - 1e-3)
 
 
-def test_the_trials_plan_launches_give_each_option_its_encode_load_over_the_dry_runs():
-    """Per option, the median over its buckets' launches of each one's seconds over that bucket's decided encode
-    less the hook's own time (its dry run)."""
+def test_the_trials_plan_launches_give_each_bucket_its_encode_load_over_its_dry_run():
+    """Per option and bucket, the median over that bucket's launches of each one's seconds over its decided encode
+    less the hook's own time (its dry run); trial_loads puts them beside the collectives' loads, in the decision's
+    bucket order, None for a bucket not launched."""
     decision = {"model": {"kernels": {"hook": [1e-4, 0.0]}},
-                "buckets": [{"index": 0, "predicted_s": {"allgather": [1.1e-3, 0, 0, 0, 0, 0]}},
-                            {"index": 1, "predicted_s": {"allgather": [2.1e-3, 0, 0, 0, 0, 0]}}]}
+                "buckets": [{"index": 2, "predicted_s": {"allgather": [1.1e-3, 0, 0, 0, 0, 0]}},
+                            {"index": 0, "predicted_s": {"allgather": [2.1e-3, 0, 0, 0, 0, 0]}},
+                            {"index": 1, "predicted_s": {"allgather": [5.1e-3, 0, 0, 0, 0, 0]}}]}
     timings = measure.WarmupTimings()
-    for index, seconds in ((0, 1.5e-3), (1, 2.4e-3), (0, 1.2e-3), (1, 4e-3)):
+    for index, seconds in ((2, 1.5e-3), (0, 2.4e-3), (2, 1.2e-3), (0, 4e-3), (2, 3e-3)):
         timings.plan_launched("allgather", index, seconds)
-    assert timings.launch_loads(decision) == {"allgather": pytest.approx((1.2 + 1.5) / 2)}  # of 1.2, 1.5, 1.2, 2
+    # bucket 2: 1.5, 1.2, 3.0 (median 1.5); bucket 0: 1.2, 2.0 (median 1.6); bucket 1 never launched
+    assert timings.launch_loads(decision) == {"allgather": {0: pytest.approx(1.6), 2: pytest.approx(1.5)}}
+    loads = timings.trial_loads({}, decision)  # no curves: no collective's load
+    assert loads == {"allgather": {"encode": [pytest.approx(1.5), pytest.approx(1.6), None]}}
+    flat = measure.flat_loads(loads)
+    assert flat == {("allgather", "encode", 0): pytest.approx(1.5), ("allgather", "encode", 1): pytest.approx(1.6)}
+    assert measure.nested_loads(flat, 3) == loads
+
+
+def test_after_the_trial_each_buckets_encode_is_taken_at_its_own_load():
+    """in_step scales each bucket's encode (less the hook's time) by its own launches' load; a bucket with none takes
+    the median of the option's others; a decision saved with one number for the option takes it for every bucket."""
+    decision = {"link_load": 1.0, "options": ["plain", "allgather"], "model": {"kernels": {"hook": [1e-4, 0.0]}},
+                "buckets": [{"ready_s": 0.0, "choice": "allgather",
+                             "predicted_s": {"plain": [0.0, 1e-3, 0.0, 0.0, 0.0, 0.0],
+                                             "allgather": [encode, 0.0, 0.0, 0.0, 0.0, 0.0]}}
+                            for encode in (1.1e-3, 2.1e-3, 4.1e-3)],
+                "trial": {"choices": {"model": ["allgather"] * 3, "plain": ["plain"] * 3}}}
+
+    def encodes(load):  # one after another on backward's thread, nothing on the link: the encodes' sum
+        return time_policy.in_step(decision, {"allgather": {"encode": load}})["predicted_exposed_s"]["allgather"]
+
+    assert encodes([0.5, 2.0, None]) == pytest.approx(3e-4 + 0.5 * 1e-3 + 2.0 * 2e-3 + 1.25 * 4e-3)  # the third: 1.25
+    assert encodes(1.5) == pytest.approx(3e-4 + 1.5 * 7e-3)
+    assert encodes([None, None, None]) == pytest.approx(7.3e-3)  # none launched: as decided
 
 
 def test_a_dry_runs_parts_are_each_the_least_over_the_runs_not_the_rest_of_the_least_whole_run():
@@ -956,8 +982,11 @@ def test_the_trial_runs_each_candidate_in_turn_and_every_rank_keeps_the_fastest_
     loads = results[0]["stats"]["decision"]["in_step"]["loads"]  # the compressed candidates' collectives, timed
     assert loads.keys() == {"allgather", "two-phase"} and loads["allgather"].keys() == {"all-gather", "encode"}
     assert loads["two-phase"].keys() == {"all-to-all", "all-gather", "encode"}
-    assert min(load for kinds in loads.values() for load in kinds.values()) > 0
-    assert all(kinds["encode"] > 0 for kinds in loads.values())  # the plans' launches, timed on these CPU ranks
+    assert min(load for kinds in loads.values() for kind, load in kinds.items() if kind != "encode") > 0
+    buckets = len(results[0]["stats"]["decision"]["buckets"])
+    for kinds in loads.values():  # the plans' launches, timed on these CPU ranks, bucket by bucket
+        assert len(kinds["encode"]) == buckets and all(load > 0 for load in kinds["encode"] if load is not None)
+        assert any(load is not None for load in kinds["encode"])
     low, high = time_policy.LOAD_BOUNDS  # plain's load fitted to the trial's plain steps' window
     assert low <= results[0]["stats"]["decision"]["in_step"]["plain_load"] <= high
     assert "in the trial's steps, the collectives against their probes" in results[0]["explain"]
