@@ -65,6 +65,7 @@ def test_accuracy_vs_ratio_quick_mode_writes_and_merges(tmp_path):
         assert row["dataset"] == "mnist1d" and row["seeds"] == 1
         assert 10 < row["acc_mean"] <= 100 and row["acc_min"] <= row["acc_mean"] <= row["acc_max"]
     assert len(report["runs"]) == 3 and report["machine"]["cores"] >= 1
+    assert report["machine"]["cpu_variant"] in ("base", "avx2", "avx512")
     assert (tmp_path / "accuracy_vs_ratio_quick.csv").read_text().count("\n") == 4
     assert (tmp_path / "accuracy_vs_ratio_quick.png").read_bytes()[:8] == PNG_MAGIC
     assert "signsgd:error_feedback=false" in out
