@@ -475,7 +475,7 @@ PART_KINDS = {"plain": ("allreduce", None), "allreduce": ("allreduce", None), "a
               "two-phase": ("all-to-all", "all-gather"), "powersgd": ("allreduce", "allreduce")}
 
 
-def in_step(decision: dict, loads: dict[str, dict[str, float]], plain_window: float | None = None) -> dict:
+def in_step(decision: dict, loads: dict[str, dict], plain_window: float | None = None) -> dict:
     """The decision's predictions again, at the loads that the trial's own steps showed instead of the one load
     fitted to the warm-up's plain steps:
         each compressed option's collectives at the loads its own steps showed, kind by kind (loads: option -> kind
