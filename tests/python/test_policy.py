@@ -766,11 +766,11 @@ def test_a_close_call_adds_rounds_of_the_challenger_and_plain_until_its_gain_is_
     assert cleared["round_step_s"]["model"] == model + [2.7, 2.7]
     gone = _scripted_verdict(trial, {"model": model + [3.3] * 7, "plain": plain + [3.0] * 7})
     assert gone["chosen"] == "plain" and gone["rounds"] == 11  # 10% slower seven times: no gain left to find
-    scatter = [3.45, 2.4] * 6  # ratios 1.15 and 0.8 in turn: neither clear nor ruled out
-    capped = _scripted_verdict(trial, {"model": model + scatter, "plain": plain + [3.0] * 12})
-    assert capped["chosen"] == "plain" and capped["rounds"] == capped["max_rounds"] == 16
+    scatter = [3.45, 2.4] * 22  # ratios 1.15 and 0.8 in turn: neither clear nor ruled out
+    capped = _scripted_verdict(trial, {"model": model + scatter, "plain": plain + [3.0] * 44})
+    assert capped["chosen"] == "plain" and capped["rounds"] == capped["max_rounds"] == 48
     lines = "\n".join(policy_trial.describe(capped))
-    assert "a close call: 12 more rounds of model and plain alone (up to 16 in all)" in lines
+    assert "a close call: 44 more rounds of model and plain alone (up to 48 in all)" in lines
     assert "model 2800.0/3400.0/2700.0/2900.0/3450.0/2400.0" in lines
 
     # the schedule: rounds added after the first four hold two blocks each, switch then measured step
@@ -816,17 +816,18 @@ def test_once_compression_is_taken_the_runner_up_replaces_the_challenger_only_wh
                                                                                        "two-phase", 10)
     assert [sorted(order) for order in both["order"][4:]] == [["model", "plain"]] * 2 + [["model", "two-phase"]] * 4
     assert both["round_step_s"]["two-phase"] == [2.9, 3.3, 2.8, 2.9, None, None, 2.0, 2.0, 2.0, 2.0]
-    assert "a close call: 6 more rounds: 2 of model and plain alone, then 4 of model and two-phase alone (up to 16 " \
+    assert "a close call: 6 more rounds: 2 of model and plain alone, then 4 of model and two-phase alone (up to 48 " \
            "in all)" in "\n".join(policy_trial.describe(both))
     # two-phase's ratios to the model's choice scatter (1.3 and 0.75, or 0.65, in turn) to the last round: the
-    # quicker in the mean of all 16 stands (1.02: the model's choice; 0.98: two-phase)
-    for later, chosen in (([2.6, 1.5] * 6, "model"), ([2.6, 1.3] * 6, "two-phase")):
-        capped = _scripted_verdict(trial, {"model": [2.0, 2.1, 2.2, 2.0] + [2.0] * 12, "plain": [3.0] * 4,
+    # quicker in the mean of all 48 stands (1.02: the model's choice; 0.98: two-phase)
+    for later, chosen in (([2.6, 1.5] * 22, "model"), ([2.6, 1.3] * 22, "two-phase")):
+        capped = _scripted_verdict(trial, {"model": [2.0, 2.1, 2.2, 2.0] + [2.0] * 44, "plain": [3.0] * 4,
                                            "two-phase": [2.1, 2.0, 2.3, 1.9] + later})
-        assert capped["chosen"] == chosen and capped["rounds"] == capped["max_rounds"] == 16
-    # the rounds against plain ran to the last (model's choice clear at round 8 of 8): two-phase, never run alone
-    # with it, does not replace it on the first rounds' mean ratio (0.8 and 1.18: 0.99)
-    used_up = _scripted_verdict(_one_bucket_trial(monkeypatch, trial_steps=2, options=TWO_CODECS), {
+        assert capped["chosen"] == chosen and capped["rounds"] == capped["max_rounds"] == 48
+    # the rounds against plain ran to the last (model's choice clear at round 8 of 8, a limit of 8 here): two-phase,
+    # never run alone with it, does not replace it on the first rounds' mean ratio (0.8 and 1.18: 0.99)
+    up_to_8 = {**_one_bucket_trial(monkeypatch, trial_steps=2, options=TWO_CODECS), "max_rounds": 8}
+    used_up = _scripted_verdict(up_to_8, {
         "model": [2.5, 3.4, 2.5, 3.2, 2.5, 2.5, 2.5, 2.5], "plain": [3.0] * 8, "two-phase": [2.0, 4.0]})
     assert (used_up["runner_up"], used_up["chosen"], used_up["rounds"]) == ("two-phase", "model", 8)
     # where plain stands, no runner-up is looked for
@@ -1009,7 +1010,7 @@ def test_a_close_call_runs_its_added_rounds_on_every_rank_alike_and_loses_nothin
     assert trial["round_step_s"]["two-phase"] == [3.5, 3.5, None, None, None]  # not in the added rounds
     assert trial["chosen"] == "allgather" and policy_trial.candidate_at(trial, steps - 1) is None  # the run went on
     assert_the_trial_was_followed(results, steps, world)
-    assert "a close call: 3 more rounds of allgather and plain alone (up to 8 in all)" in results[0]["explain"]
+    assert "a close call: 3 more rounds of allgather and plain alone (up to 24 in all)" in results[0]["explain"]
 
 
 # Per rank, per round, 3 rounds: allgather is the challenger (its median ratio to plain 0.7 against two-phase's 0.77),
@@ -1031,7 +1032,7 @@ def test_a_close_call_between_the_challenger_and_the_runner_up_runs_on_every_ran
     assert policy_trial.candidate_at(trial, steps - 1) is None  # the run went past the trial
     assert_the_trial_was_followed(results, steps, world)
     assert "a close call: 5 more rounds: 2 of allgather and plain alone, then 3 of allgather and two-phase alone " \
-           "(up to 12 in all)" in results[0]["explain"]
+           "(up to 36 in all)" in results[0]["explain"]
 
 
 def test_a_run_resumed_during_a_close_calls_added_rounds_keeps_the_rounds_combined_before_on_every_rank(tmp_path):
