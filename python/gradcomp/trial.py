@@ -43,7 +43,8 @@ measured fastest:
         (no promise to keep between compressed candidates, and those rounds know more than the first four's
         medians); where the rounds against plain used them all up, the challenger stands. Those rounds cost at most
         the two candidates' difference, which a wrong pick would cost for the rest of the run. Simulated at 20%
-        scatter per step, a runner-up 10% quicker is kept 88% of the time (74% by the first rounds' medians alone).
+        scatter per step with up to 16 rounds, a runner-up 10% quicker is kept 88% of the time (74% by the first
+        rounds' medians alone).
         On a shared CPU one step scatters by about 20%, and four pairs cannot show a 10% gain; on a GPU they mostly
         can, and fewer rounds are added.
         Why EXTEND is 12 (48 rounds at the default 4): a close call's rounds cost at most the two candidates'
