@@ -263,8 +263,8 @@ def test_policy_quick_mode_times_every_option_and_the_policy(tmp_path):
             assert "trial_timings" not in run and "trial_launches" not in run
             continue
         assert len(run["trial_timings"]) == run["world"] == 2
+        trial_steps = set(range(trial["start"], trial["start"] + policy_trial.length(trial)))  # close calls' too
         for steps in run["trial_timings"]:
-            trial_steps = set(range(trial["start"], trial["start"] + policy_trial.length(trial)))  # close calls' too
             assert steps and {s["step"] for s in steps} <= trial_steps
             for step in steps:
                 assert step["calls"][0][1] == 0 and all(call[2] >= call[1] for call in step["calls"])
