@@ -1,5 +1,6 @@
-"""Small tensor helpers the bucket plans share: keeping a step's new state only when its data is finite,
-and checking saved state against what a configuration expects."""
+"""Small tensor helpers the bucket plans share: keeping a step's new state only when its data is finite, a
+bucket's parameters as views of its flat gradient, and checking saved state against what a configuration
+expects."""
 
 from __future__ import annotations
 
@@ -17,6 +18,12 @@ def keep_if_finite(finite: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -
     elif not bool(finite):
         new.copy_(old)
     return new, old
+
+
+def views_of(flat: torch.Tensor, shapes) -> list[torch.Tensor]:
+    """Each parameter's gradient as a view of flat, the bucket's gradients back to back (what DDP's
+    bucket.gradients() gives for its buffer, made only where a plan needs them)."""
+    return [part.view(shape) for part, shape in zip(flat.split([torch.Size(s).numel() for s in shapes]), shapes)]
 
 
 def idle_elements(idle: torch.Tensor, shapes, numel: int) -> torch.Tensor | None:

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ._tensors import views_of
 from .policy import KINDS, CostModel, Curve, Line, saved_hook_seconds
 from .powersgd import PowerSGD
 from .step import Step
@@ -356,7 +357,7 @@ def time_plan(plan, sample: torch.Tensor, world: int, rank: int, nodes, clock: C
     runs = []
     for _ in range(repeats + 1):
         data = flat.clone()
-        views = [part.view(shape) for part, shape in zip(data.split([s.numel() for s in plan.shapes]), plan.shapes)]
+        views = views_of(data, plan.shapes)
         step = DryStep(world, rank, nodes, clock)
         start = clock.mark()
         plan.launch(step, data, views).wait()

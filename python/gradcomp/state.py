@@ -24,14 +24,15 @@ import torch.distributed as dist
 
 from . import _ops
 from ._futures import value_or_raise
+from ._tensors import views_of
 from . import measure
 from . import nodes as node_layout
 from . import policy as time_policy
 from . import trial as policy_trial
 from .codecs import codec as make_codec
 from .powersgd import PowerSGD
-from .schemes import PLANS, HierarchicalBucket, PlainBucket, check_scheme, fixed_scheme, make_plan, plan_class, \
-    ring_allreduce_bytes
+from .schemes import PLANS, HierarchicalBucket, PlainBucket, PowerSGDBucket, check_scheme, fixed_scheme, make_plan, \
+    plan_class, ring_allreduce_bytes
 from .state_io import BucketLayout, StateCheckpoints
 from .step import STATS_LOCK, DecodeChecks, DeviceCounts, Sequencer, Step, collective_failure, empty_stats
 
@@ -61,7 +62,8 @@ class CompressionState(StateCheckpoints):
     __slots__ = ("process_group", "codec", "scheme", "start_iter", "start_codec", "min_bucket_ratio", "log_every",
                  "node_size", "iter", "_plans", "_start_plans", "_warmup_layout", "_pool", "_param_keys", "_model",
                  "_ddp", "_nodes", "_verified", "_total", "_last", "_current", "_warned", "_sequencer", "_checks",
-                 "_device_counts", "policy", "remeasure_every", "trial_steps", "_decision", "_timings", "elastic")
+                 "_device_counts", "policy", "remeasure_every", "trial_steps", "_decision", "_timings", "elastic",
+                 "_plan_counts", "_shape")
 
     def __init__(self, spec: str = "topk", *, process_group: dist.ProcessGroup | None = None, scheme: str = "auto",
                  start_iter: int | None = None, start_codec: str | None = None, min_bucket_ratio: float = 1.0,
@@ -124,6 +126,8 @@ class CompressionState(StateCheckpoints):
         self._checks = DecodeChecks()
         self._device_counts = DeviceCounts()
         self._timings = measure.WarmupTimings()
+        self._plan_counts = weakref.WeakKeyDictionary()  # plan -> (world, rank, nodes, what its step adds to stats)
+        self._shape = None  # (group, world size, rank): _group_shape
 
     # -- configuration ---------------------------------------------------------------------------------------------
 
@@ -133,6 +137,14 @@ class CompressionState(StateCheckpoints):
 
     def _group(self):
         return self.process_group if self.process_group is not None else dist.group.WORLD
+
+    def _group_shape(self) -> tuple:
+        """(group, its world size, this rank in it), asked of torch.distributed once per group: the hook needs them
+        for every bucket."""
+        group = self._group()
+        if self._shape is None or self._shape[0] is not group:
+            self._shape = (group, dist.get_world_size(group), dist.get_rank(group))
+        return self._shape
 
     def config(self) -> dict[str, Any]:
         """What every rank must agree on (compared at the first step) and what a checkpoint must match."""
@@ -163,15 +175,17 @@ class CompressionState(StateCheckpoints):
                     return candidate
         return None
 
-    def _meet_model(self, bucket: dist.GradBucket) -> None:
-        """Binds to the registered DDP model (and takes its process group unless one was given) when the state
-        has not met one, or when the bucket holds parameters of another model (the state moved to a new one)."""
+    def _meet_model(self, params: list) -> tuple:
+        """The keys of a bucket's parameters (params), after binding to the registered DDP model (and taking its
+        process group unless one was given) when the state has not met one, or when params are another model's (the
+        state moved to a new one)."""
         bound = self._model is not None and self._model() is not None
-        if bound and all(id(p) in self._param_keys for p in bucket.parameters()):
+        keys = tuple(map(self._param_keys.get, map(id, params))) if bound else (None,)
+        if None not in keys:
             if self._ddp is None:  # built with model=: its DDP's options matter too (find_unused_parameters)
                 ddp = self._find_ddp()
                 self._ddp = weakref.ref(ddp) if ddp is not None else _no_ddp
-            return
+            return keys
         ddp = self._find_ddp()
         if ddp is None:
             raise RuntimeError("gradcomp: this CompressionState does not know the model it is registered on; "
@@ -180,6 +194,7 @@ class CompressionState(StateCheckpoints):
         if self.process_group is None:
             self.process_group = ddp.process_group
         self.bind(ddp.module, ddp)
+        return tuple(self._param_keys[id(p)] for p in params)
 
     def _verify(self) -> None:
         """All ranks compare their configuration and step, and the rank and world size their residuals were built
@@ -246,20 +261,19 @@ class CompressionState(StateCheckpoints):
     def communicate(self, bucket: dist.GradBucket) -> torch.futures.Future:
         entered, launch_seconds, marked = time.perf_counter(), None, None
         try:
-            self._meet_model(bucket)
+            keys = self._meet_model(bucket.parameters())
             if not self._verified:
                 self._verify()
             self._checks.poll(self.iter)
-            group = self._group()
-            step = Step(group, dist.get_world_size(group), dist.get_rank(group), self.iter, self._current,
-                         self._total, self._sequencer, STATS_LOCK, self._device_counts.current, self._nodes)
+            group, world, rank = self._group_shape()
+            step = Step(group, world, rank, self.iter, self._current, self._total, self._sequencer, STATS_LOCK,
+                        self._device_counts.current, self._nodes)
             buffer = bucket.buffer()
-            step.add_plain_ddp_bytes(buffer.numel() * buffer.element_size())
-            step.add("buckets", 1)
+            step.add_bucket(buffer.numel() * buffer.element_size())
             starting, compressible = self.iter < self.start_iter, self._compressible(buffer)
             timed = starting and compressible and self._layout_is_final() and self.policy == "time"
             if starting and compressible and self._layout_is_final():
-                self._record_layout(bucket, buffer)
+                self._record_layout(bucket, keys, buffer)
             if timed:
                 self._timings.bucket_called(self.iter, bucket.index(), buffer.device)
                 marked = self.iter
@@ -273,13 +287,13 @@ class CompressionState(StateCheckpoints):
             elif starting and self.start_codec is None:
                 completed = self._timings.allreduce_launched(self.iter) if timed else None
                 launched = time.perf_counter()
-                future = self._plain_as_recorded(step, bucket, buffer)
+                future = self._plain_as_recorded(step, bucket, keys, buffer)
                 launch_seconds = time.perf_counter() - launched
                 if completed is not None:
                     future = future.then(lambda done: (completed(), done.value())[1])
             elif starting:
                 self._warn_if_resumed_on_other_buckets(known=self.iter >= 2 and bool(self._start_plans))
-                future = self._compressed(step, bucket, buffer, self._start_plans, self._new_start_plan)
+                future = self._compressed(step, bucket, keys, buffer, self._start_plans, self._new_start_plan)
             else:
                 if not self._plans:
                     self._warn_if_resumed_on_other_buckets(known=bool(self._warmup_layout))
@@ -289,7 +303,7 @@ class CompressionState(StateCheckpoints):
                 elif self._remeasures_now(step) and not self._trial_running():
                     self._decide(step, buffer, list(self._plans.values()))
                     self._replace_changed_plans(step, buffer.device)
-                future = self._compressed(step, bucket, buffer, self._plans, self._new_plan)
+                future = self._compressed(step, bucket, keys, buffer, self._plans, self._new_plan)
             if trial_option not in (None, PlainBucket.scheme) and buffer.device.type == "cpu":
                 self._timings.plan_launched(trial_option, bucket.index(), time.perf_counter() - launching)
             if bucket.is_last():
@@ -321,8 +335,7 @@ class CompressionState(StateCheckpoints):
         rebuilt = getattr(ddp, "_has_rebuilt_buckets", True)
         return bool(rebuilt or (ddp.find_unused_parameters and not ddp.static_graph))
 
-    def _record_layout(self, bucket: dist.GradBucket, buffer: torch.Tensor) -> None:
-        keys = tuple(self._param_keys[id(p)] for p in bucket.parameters())
+    def _record_layout(self, bucket: dist.GradBucket, keys: tuple, buffer: torch.Tensor) -> None:
         for old in _overlapping(self._warmup_layout, bucket.index(), keys):
             del self._warmup_layout[old]
         self._warmup_layout[bucket.index()] = BucketLayout(bucket.index(), keys,
@@ -365,22 +378,24 @@ class CompressionState(StateCheckpoints):
         tensor.div_(step.world)
         return step.allreduce(tensor).then(lambda done: value_or_raise(done)[0])
 
-    def _compressed(self, step: Step, bucket: dist.GradBucket, buffer: torch.Tensor, plans: dict,
+    def _compressed(self, step: Step, bucket: dist.GradBucket, keys: tuple, buffer: torch.Tensor, plans: dict,
                     new_plan) -> torch.futures.Future:
         """The bucket under the codec of `plans` (the run's, or the start codec's): by its plan; as the saved plans
         that together make it up (a bucket made of whole earlier or saved buckets, such as a fresh DDP's first one,
         goes as those, so a resumed run repeats the uninterrupted one); else by new_plan's."""
-        keys = tuple(self._param_keys[id(p)] for p in bucket.parameters())
-        views = bucket.gradients()
         plan = plans.get(bucket.index())
-        if plan is None or plan.keys != keys:
-            saved = self._saved_buckets_covering(plans, keys, views, buffer.dtype)
-            if saved:
-                return self._launch_saved(step, saved, dict(zip(keys, views)), buffer)
-            plan = new_plan(step, bucket.index(), keys, [v.shape for v in views], buffer.dtype, buffer.device)
+        if plan is not None and plan.keys == keys:
+            return self._launch(step, plan, buffer)
+        views = bucket.gradients()
+        saved = self._saved_buckets_covering(plans, keys, views, buffer.dtype)
+        if saved:
+            return self._launch_saved(step, saved, dict(zip(keys, views)), buffer)
+        plan = new_plan(step, bucket.index(), keys, [v.shape for v in views], buffer.dtype, buffer.device)
         return self._launch(step, plan, buffer, views)
 
-    def _launch(self, step: Step, plan, flat: torch.Tensor, views) -> torch.futures.Future:
+    def _launch(self, step: Step, plan, flat: torch.Tensor, views=None) -> torch.futures.Future:
+        """The bucket (flat) by its plan. views: its parameters' gradients as views of flat, or None: then made
+        here, only where used (PowerSGD's plans, find_unused_parameters' counts): the hook's time is the step's."""
         if self.policy == "codec" and not self._gains(step, plan, flat):
             return self._plain(step, flat)
         if plan.device is not None and plan.device != flat.device:  # a loaded checkpoint, kept on the CPU
@@ -388,12 +403,14 @@ class CompressionState(StateCheckpoints):
         plain = isinstance(plan, PlainBucket)
         if plain:
             plan.release_if_spent()
-        step.add_plan_bytes(plan)
+        step.add_counts(self._counts_of(step, plan))
         if not plain:
-            step.add("compressed_buckets", 1)
             step.decode_status = self._checks.word(step.step, flat.device)
         ddp = self._ddp_model()
-        if ddp is None or not ddp.find_unused_parameters or (plain and plan.residual is None):
+        counting = ddp is not None and ddp.find_unused_parameters and not (plain and plan.residual is None)
+        if views is None and (counting or isinstance(plan, PowerSGDBucket)):
+            views = views_of(flat, plan.shapes)
+        if not counting:
             return plan.launch(step, flat, views)
         counts = self._nonzero_counts(step, views)
         future = plan.launch(step, flat, views)
@@ -406,6 +423,14 @@ class CompressionState(StateCheckpoints):
             return flat
 
         return torch.futures.collect_all([future, step.allreduce(counts)]).then(set_idle_aside)
+
+    def _counts_of(self, step: Step, plan) -> tuple:
+        """step.plan_counts(plan), worked out once per plan, world size, rank and node layout: the hook asks for every
+        bucket of every step, where the time it takes is the step's."""
+        known = self._plan_counts.get(plan)
+        if known is None or known[:2] != (step.world, step.rank) or known[2] is not step.nodes:
+            known = self._plan_counts[plan] = (step.world, step.rank, step.nodes, step.plan_counts(plan))
+        return known[3]
 
     @staticmethod
     def _nonzero_counts(step: Step, views) -> torch.Tensor:
@@ -429,12 +454,12 @@ class CompressionState(StateCheckpoints):
             return []
         return sorted(plans.values(), key=lambda p: p.index)
 
-    def _plain_as_recorded(self, step: Step, bucket: dist.GradBucket, buffer: torch.Tensor) -> torch.futures.Future:
+    def _plain_as_recorded(self, step: Step, bucket: dist.GradBucket, keys: tuple,
+                           buffer: torch.Tensor) -> torch.futures.Future:
         """A plain step. On a fresh DDP's first buckets (a run resumed during the first steps) as the buckets DDP
         laid out for good before, when the state recorded them: a ring allreduce sums in an order that follows the
         tensor's size, so this repeats the uninterrupted run's sums bit for bit at any world size."""
         if self._warmup_layout and not self._layout_is_final():
-            keys = tuple(self._param_keys[id(p)] for p in bucket.parameters())
             views = bucket.gradients()
             parts = self._saved_buckets_covering(self._warmup_layout, keys, views, buffer.dtype)
             if parts:
@@ -701,7 +726,8 @@ class CompressionState(StateCheckpoints):
         self.iter += 1
         if self.iter >= self.start_iter:
             self._start_plans.clear()
-        self._sequencer = Sequencer()
+        if not self._sequencer.unused():
+            self._sequencer = Sequencer()
         self._device_counts.end_step()
         self._last, self._current = self._current, empty_stats()
         if self.log_every and self.iter % self.log_every == 0:

@@ -212,7 +212,7 @@ class StateCheckpoints:
     def __getstate__(self):
         return {name: getattr(self, name) for name in self.__slots__
                 if name not in ("process_group", "_sequencer", "_checks", "_param_keys", "_model", "_ddp",
-                                "_device_counts", "_timings")}
+                                "_device_counts", "_timings", "_plan_counts", "_shape")}
 
     def __setstate__(self, state):
         self.process_group = None

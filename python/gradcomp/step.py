@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from . import _ops
-from .schemes import ring_allreduce_bytes, ring_crosses
+from .schemes import PlainBucket, ring_allreduce_bytes, ring_crosses
 
 STATS_KEYS = ("raw_bytes", "wire_bytes", "received_bytes", "inside_node_bytes", "node_link_bytes",
               "node_link_raw_bytes", "encode_s", "decode_s", "buckets", "compressed_buckets", "nonfinite_buckets")
@@ -45,6 +45,10 @@ class Sequencer:
         """A place in the order, in round round_, for the collective that will complete result."""
         self._tickets.append((round_, result))
         return len(self._tickets) - 1
+
+    def unused(self) -> bool:
+        """Whether no collective took a ticket and no step was abandoned: the next step can go on with it."""
+        return not self._tickets and not self._abandoned
 
     def submit(self, ticket: int, launch) -> None:
         """launch() issues the collective; it must handle its own errors. Called exactly once per ticket
@@ -110,35 +114,44 @@ class Step:
             self.record[key] += value
             self.total[key] += value
 
-    def add_plain_ddp_bytes(self, nbytes: int) -> None:
-        """What plain DDP's ring allreduce of a bucket of nbytes sends: this rank's, and its node's across its link
-        (once per ring step: the node's last rank sends to the next node's first)."""
+    def add_counts(self, counts) -> None:
+        """Several (key, value) pairs under one acquisition of the lock: the hook counts each bucket at once."""
+        with self.stats_lock:
+            for key, value in counts:
+                self.record[key] += value
+                self.total[key] += value
+
+    def add_bucket(self, nbytes: int) -> None:
+        """A bucket of nbytes, counted with what plain DDP's ring allreduce of it sends: this rank's, and its node's
+        across its link (once per ring step: the node's last rank sends to the next node's first)."""
         ring = ring_allreduce_bytes(nbytes, self.world)
-        self.add("raw_bytes", ring)
-        if self.nodes is not None and self.nodes.nodes > 1:
-            self.add("node_link_raw_bytes", ring)
+        across = ring if self.nodes is not None and self.nodes.nodes > 1 else 0
+        self.add_counts((("buckets", 1), ("raw_bytes", ring), ("node_link_raw_bytes", across)))
 
     def add_ring_bytes(self, nbytes: int) -> None:
         """What this rank sends and receives in a ring allreduce of nbytes (and its node across its link)."""
         ring = ring_allreduce_bytes(nbytes, self.world)
-        self.add("wire_bytes", ring)
-        self.add("received_bytes", ring)
+        counts = [("wire_bytes", ring), ("received_bytes", ring)]
         if self.nodes is not None:
             crosses = ring_crosses(self.rank, self.world, self.nodes)
-            self.add("inside_node_bytes", 0 if crosses else ring)
-            self.add("node_link_bytes", ring if self.nodes.nodes > 1 else 0)
+            counts += [("inside_node_bytes", 0 if crosses else ring),
+                       ("node_link_bytes", ring if self.nodes.nodes > 1 else 0)]
+        self.add_counts(counts)
 
-    def add_plan_bytes(self, plan) -> None:
-        """What a plan's scheme sends and receives, this rank's, and its node's across its link (every rank of the
-        node counts what they all send: the same figure on each)."""
+    def plan_counts(self, plan) -> tuple:
+        """What a step of a plan's scheme adds to the stats: the bytes this rank sends and receives, and its node's
+        across its link (every rank of the node counts what they all send: the same figure on each); a compressed
+        plan counts its bucket as compressed. Fixed for a plan at one world size, rank and node layout."""
         sent, received = plan.traffic(self.world, self.rank)
-        self.add("wire_bytes", sent)
-        self.add("received_bytes", received)
+        counts = [("wire_bytes", sent), ("received_bytes", received)]
         if self.nodes is not None:
             first = self.nodes.node * self.nodes.node_size
-            self.add("inside_node_bytes", sent - plan.traffic_across(self.world, self.rank, self.nodes))
-            self.add("node_link_bytes", sum(plan.traffic_across(self.world, r, self.nodes)
-                                            for r in range(first, first + self.nodes.node_size)))
+            counts += [("inside_node_bytes", sent - plan.traffic_across(self.world, self.rank, self.nodes)),
+                       ("node_link_bytes", sum(plan.traffic_across(self.world, r, self.nodes)
+                                               for r in range(first, first + self.nodes.node_size)))]
+        if not isinstance(plan, PlainBucket):
+            counts.append(("compressed_buckets", 1))
+        return tuple(counts)
 
     def allreduce(self, tensor: torch.Tensor) -> torch.futures.Future:
         completed = self._timed("allreduce", tensor)
@@ -288,6 +301,8 @@ class DecodeChecks:
 
     def poll(self, current_step: int) -> None:
         """Starts the read-back of the words of finished steps, and raises for any landed one that is not 0."""
+        if not self._words and not self._copies:  # the CPU's, and a CUDA step without compressed buckets
+            return
         for key in [k for k in self._words if k[0] < current_step]:
             word = self._words.pop(key)
             with torch.cuda.device(word.device):
