@@ -305,6 +305,22 @@ def test_probe_start_quick_mode_times_each_kind_as_they_come_and_together(tmp_pa
     assert (tmp_path / "probe_start_quick.png").read_bytes()[:8] == PNG_MAGIC
 
 
+def test_hook_overhead_quick_mode_times_each_hooks_own_time_with_every_bucket_plain(tmp_path):
+    stdout = run_script(BENCHMARKS / "hook_overhead.py", "--quick", "--out", tmp_path)
+    report = json.loads((tmp_path / "hook_overhead_quick.json").read_text())
+    assert report["gradcomp_schemes"] == {"plain": 2}, stdout  # the MLP's two buckets, both sent plain
+    rows = {row["configuration"]: row for row in report["rows"]}
+    torch_hook, gradcomp_hook, limit = (rows[name] for name in ("torch's allreduce hook",
+                                                                "gradcomp, every bucket plain",
+                                                                "no communication (limit)"))
+    assert torch_hook["calls_per_step"] == gradcomp_hook["calls_per_step"] == 2 and limit["calls_per_step"] == 0
+    assert torch_hook["own_us_per_call"] > 0 and gradcomp_hook["own_us_per_call"] > 0
+    assert limit["vs_limit"] == 1 and torch_hook["vs_torch_paired"] == 1
+    assert report["copy_us"] > 0 and report["bucket_numel"] > 0
+    assert (tmp_path / "hook_overhead_quick.csv").read_text().count("\n") == 4  # header + 3 rows
+    assert (tmp_path / "hook_overhead_quick.png").read_bytes()[:8] == PNG_MAGIC
+
+
 def test_two_phase_ops_quick_mode(tmp_path):
     stdout = run_script(BENCHMARKS / "two_phase_ops.py", "--quick", "--out", tmp_path)
     report = json.loads((tmp_path / "two_phase_ops_quick.json").read_text())
