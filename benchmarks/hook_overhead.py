@@ -32,7 +32,6 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import torch.nn as nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
@@ -42,7 +41,7 @@ import gradcomp.policy as time_policy
 sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)),
                 os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")]
 from bench_common import ROOT, machine, write_results  # noqa: E402
-from scaling import make_model as large_gradient_mlp, no_communication  # noqa: E402
+from scaling import make_model as large_gradient_mlp, no_communication, sgd_step  # noqa: E402
 from train_ddp import finish_spawned_rank  # noqa: E402
 
 CONFIGS = ("torch's allreduce hook", "gradcomp, every bucket plain", "no communication (limit)")
@@ -100,16 +99,7 @@ def build(name: str, rank: int, own: OwnTime):
         ddp.register_comm_hook(state, own.hook(name, gradcomp.hook))
     else:
         ddp.register_comm_hook(None, no_communication)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    generator = torch.Generator().manual_seed(rank)
-    x, y = torch.randn(8, 256, generator=generator), torch.randint(0, 10, (8,), generator=generator)
-
-    def step():
-        loss = nn.functional.cross_entropy(ddp(x), y)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-    return step, state
+    return sgd_step(model, ddp, rank), state
 
 
 def rank_main(rank: int, args) -> None:

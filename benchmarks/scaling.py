@@ -64,6 +64,20 @@ def make_model() -> nn.Module:
                          nn.ReLU(), nn.Linear(1024, 10))
 
 
+def sgd_step(model: nn.Module, ddp: DistributedDataParallel, rank: int):
+    """One step of the MLP under ddp on this rank's own fixed batch (SGD, lr 0.01), as a function."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    generator = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(8, 256, generator=generator), torch.randint(0, 10, (8,), generator=generator)
+
+    def step():
+        loss = nn.functional.cross_entropy(ddp(x), y)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+    return step
+
+
 def no_communication(_, bucket):
     done = torch.futures.Future()
     done.set_result(bucket.buffer())
@@ -91,16 +105,7 @@ def measure(rank: int, kind: str, spec: str | None, scheme: str | None, args, op
         ddp.register_comm_hook(None, no_communication)
     elif kind == "gradcomp":
         state = gradcomp.register(ddp, spec, scheme=scheme, **(options or {}))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    generator = torch.Generator().manual_seed(rank)
-    x, y = torch.randn(8, 256, generator=generator), torch.randint(0, 10, (8,), generator=generator)
-
-    def step():
-        loss = nn.functional.cross_entropy(ddp(x), y)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-
+    step = sgd_step(model, ddp, rank)
     for _ in range(args.warmup):  # DDP's bucket rebuild, gradcomp's start_iter, the plans laid out
         step()
     settle = lambda: (dist.barrier(), time.sleep(0.3))  # noqa: E731 - every rank's last packets are out
