@@ -12,12 +12,13 @@ every configuration of a model afresh and warms each up (the policy's decision a
 --steps steps of each, one step of every configuration in turn (in an order shuffled anew for each step, the
 same on every rank), so that this machine's drift (a core's speed moves by tens of percent within seconds) meets
 them all alike; with --block K, K timed steps of each in a row per turn, after one untimed (a job runs its own steps
-one after another: its caches hold its own model, not 12 others'). A configuration: plain DDP; the
-no-communication limit (a hook that returns the local gradient); per codec, each option fixed for every bucket
-(the codec under each scheme it can take, min_bucket_ratio=0) and policy="time" (timed after its trial,
-gradcomp.trial, which the policy's rows name: "model" where the cost model's choice stood, else the option the
-trial kept for every bucket). A step's time is the slowest rank's (a barrier
-before each step); a round's figure is the median over its steps; a configuration's, the median over the rounds.
+one after another: its caches hold its own model, not 12 others'); with --block K --no-barrier, one barrier before
+each block and none between its steps, as a job runs them (and as the policy's trial times them). A
+configuration: plain DDP; the no-communication limit (a hook that returns the local gradient); per codec, each
+option fixed for every bucket (the codec under each scheme it can take, min_bucket_ratio=0) and policy="time" (timed
+after its trial, gradcomp.trial, which the policy's rows name: "model" where the cost model's choice stood, else the
+option the trial kept for every bucket). A step's time is the slowest rank's (a barrier before each step, unless
+--no-barrier); a round's figure is the median over its steps; a configuration's, the median over the rounds.
 Ratios are to the same link's limit. Beside each row, the spread (max - min) / median over the rounds of the
 round's ratio to that round's limit (the figure the tables compare), and the same of its milliseconds ("of ms",
 which carries the machine's drift); beside the policy's, the same of its ratio to the fastest fixed option and to
@@ -207,8 +208,9 @@ class Configuration:
             self.window.take()
         TrialTimings.sink = TrialTimings.launch_sink = None
 
-    def timed_step(self) -> None:
-        dist.barrier()
+    def timed_step(self, barrier: bool = True) -> None:
+        if barrier:  # every rank starts the step together; without: as the step before left it, as a job runs
+            dist.barrier()
         started = time.perf_counter()
         self.step()
         self.times.append(time.perf_counter() - started)
@@ -286,10 +288,12 @@ def time_round(args, round_: int, model_name: str) -> list[dict]:
         random.Random(f"{round_} {model_name} {turn}").shuffle(order)
         for configuration in order:
             if args.block > 1:  # a block: one untimed step, after the other configurations', then its timed ones
+                if args.no_barrier:
+                    dist.barrier()
                 configuration.step()
                 configuration.window.take()
             for _ in range(timed):
-                configuration.timed_step()
+                configuration.timed_step(barrier=not args.no_barrier)
     runs = []
     for label, spec, configuration in labelled:
         mine = configuration.result()
@@ -333,7 +337,8 @@ def run_world(args, world: int, link: str) -> list:
     return run_in_namespaces("gcp", world, SUBNET, rate, __file__, 29410,
                              ["--steps", str(args.steps), "--warmup", str(args.warmup), "--rounds", str(args.rounds),
                               "--block", str(args.block), "--models", *args.models, "--codecs", *args.codecs,
-                              *(["--trial-timings"] if args.trial_timings else [])],
+                              *(["--trial-timings"] if args.trial_timings else []),
+                              *(["--no-barrier"] if args.no_barrier else [])],
                              args.timeout,
                              f"{world} ranks, {link}", burst=args.burst)
 
@@ -465,6 +470,9 @@ def parse_args(argv=None):
     parser.add_argument("--block", type=int, default=1,
                         help="timed steps of a configuration in a row, after one untimed (default 1: one timed step "
                              "of each in turn); a job runs its own steps one after another")
+    parser.add_argument("--no-barrier", action="store_true",
+                        help="with --block: a barrier before each block only, none between its steps (as a job runs "
+                             "them, and as the policy's trial times them); a step's time is still its slowest rank's")
     parser.add_argument("--timeout", type=float, default=7200, help="seconds for one world size and link")
     parser.add_argument("--burst", default=DEFAULT_BURST,
                         help=f"the shaped links' token bucket (tc tbf's burst, default {DEFAULT_BURST}): what passes "
@@ -484,6 +492,8 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if args.block < 1:
         parser.error(f"--block {args.block}: give 1 or more timed steps in a row")
+    if args.no_barrier and args.block < 2:
+        parser.error("--no-barrier times the steps of a block back to back: give --block 2 or more")
     if not re.fullmatch(r"[1-9][0-9]*([kmg]?b|[kmg]|[kmg]?bit)?", args.burst):
         parser.error(f"--burst {args.burst!r}: give a size as tc reads it (bytes, or with b, kb, mb or kbit: 16kb)")
     if args.quick:
@@ -553,8 +563,8 @@ def main(argv=None) -> int:
     parameters = {name: sum(p.numel() for p in build().parameters()) for name, (build, _) in MODELS.items()}
     report(table_rows(runs, args.codecs), stem,
            {"machine": machine(), "parameters": parameters, "steps": args.steps, "warmup": args.warmup,
-            "rounds": args.rounds, "block": args.block, "worlds": args.worlds, "links": args.links, "codecs": args.codecs,
-            "burst": args.burst,
+            "rounds": args.rounds, "block": args.block, "no_barrier": args.no_barrier, "worlds": args.worlds,
+            "links": args.links, "codecs": args.codecs, "burst": args.burst,
             "runs": [{"world": w, "link": link, **e} for (w, link), entries in runs.items() for e in entries]})
     return 0
 

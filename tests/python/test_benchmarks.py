@@ -227,6 +227,9 @@ def test_policy_times_steps_one_of_each_in_turn_or_in_blocks_of_a_configurations
     assert policy.parse_args(["--block", "4"]).block == 4
     with pytest.raises(SystemExit):
         policy.parse_args(["--block", "0"])
+    assert policy.parse_args(["--block", "4", "--no-barrier"]).no_barrier  # a barrier per block, none per step
+    with pytest.raises(SystemExit):
+        policy.parse_args(["--no-barrier"])  # one timed step per turn: nothing to run back to back
 
 
 @needs_shaping
