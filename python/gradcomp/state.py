@@ -480,7 +480,7 @@ class CompressionState(StateCheckpoints):
         for part in parts:
             views = [views_by_key[k] for k in part.keys]
             flat = torch.cat([v.reshape(-1) for v in views])
-            flat_views = [piece.view(v.shape) for piece, v in zip(flat.split([v.numel() for v in views]), views)]
+            flat_views = views_of(flat, [v.shape for v in views])
             futures.append(launch(part, flat, flat_views))
             copies.append((views, flat_views))
 

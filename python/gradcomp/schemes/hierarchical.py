@@ -32,7 +32,7 @@ import time
 import torch
 
 from .._futures import value_or_raise
-from .._tensors import idle_elements
+from .._tensors import idle_elements, views_of
 from ..powersgd import PowerSGD
 from .allgather import AllgatherBucket
 from .allreduce import AllreduceBucket
@@ -187,10 +187,7 @@ class HierarchicalBucket:
             done.set_result(shard)
             return done
         group_numel = self.spans[local][1] - self.spans[local][0]
-        views = [part.view(shape) for part, shape in zip(shard[:group_numel].split([s.numel() for s in
-                                                                                     self.shapes[first:end]]),
-                                                          self.shapes[first:end])]
-        return self.inner.launch(across, shard[:group_numel], views)
+        return self.inner.launch(across, shard[:group_numel], views_of(shard[:group_numel], self.shapes[first:end]))
 
     def set_idle_aside(self, idle: torch.Tensor, flat: torch.Tensor) -> None:
         """As ResidualPlan.set_idle_aside, for the elements of this rank's shard."""
