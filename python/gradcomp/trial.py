@@ -26,7 +26,8 @@ measured fastest:
         reaches it alike from the same combined times. Plain is whichever candidate sends every bucket plain: the
         model's choice itself, where that is plain for every bucket (where the shortlist has no plain, the ratios
         are to the model's choice, and the challenger is taken). A policy that promises never to be slower than
-        plain DDP takes compression only where its gain is clear of the steps' scatter.
+        plain DDP takes compression only where its gain is clear of the steps' scatter (or, after the longest close
+        call, where the mean of all its rounds says so: see below).
         Where compression is taken, the runner-up (the next smallest median ratio) replaces the challenger by the
         same rule on its ratios to the challenger: compressed candidates often lie within a step's scatter of each
         other, and the smallest median of four noisy rounds is then a coin's toss (it once took two-phase where
@@ -40,8 +41,9 @@ measured fastest:
         quicker in the mean ratio stands. A close call that ran that long lies within a few percent either way (a
         gain or a loss of 5% shows clearly or is ruled out long before), where a promise of 5% allows either.
         Keeping plain there, whatever the rounds said, kept it where it was slower than 1.05x the best option: in
-        the committed runs, 36 rounds ended so with compression quicker in the mean, and the steps timed after
-        them had plain over 1.05x the best in 18 of them, the compressed option in 9.
+        the committed runs, 65 rounds ended so with compression quicker in the mean; in the 36 whose challenger sent
+        one option throughout, the steps timed after them had plain over 1.05x the best in 18, that option in 9
+        (benchmarks/results/policy_close_call_mean/).
         Once compression is taken, the same holds between the challenger and the runner-up: rounds of the two alone
         while the runner-up's gain is neither clear nor ruled out and the challenger's gain over it is not clear
         either; at the last round, the one quicker in the mean ratio stands. Both last-round rules need rounds of the
@@ -56,8 +58,8 @@ measured fastest:
         difference, but stopping short costs that difference for the rest of the run. Simulated with this rule at
         12% scatter per ratio (4 ranks of the MLP on 2 cores), a true gain of 5% over plain is taken 95% of the time
         within 48 rounds (90% where plain stood at the last round; 60% within 16), at 15 rounds on average; a true 5%
-        loss is taken 2% of the time, as where plain stood. At 20% scatter: a 5% gain 89% (70%), a 5% loss 8% (6%),
-        a 10% loss 1.4% (1.6%).
+        loss is taken 2% of the time, as where plain stood. At 20% scatter: a 5% gain 89% (69%), a 5% loss 8% (5%),
+        a 10% loss 1.6% (1.4%) (benchmarks/results/policy_close_call_mean/simulate_close_calls.py).
 Every step of the trial is a real training step: a switch hands the error-feedback residuals over as any decision
 does (nothing lost). The schedule is fixed at the decision (and at each round a close call adds), so a run resumed
 during the trial sends each step as the uninterrupted one did until its next verdict; that verdict counts the rounds
@@ -198,7 +200,7 @@ def clear_gain(ratios: list[float]) -> bool:
     Added rounds look again, so a false gain is likelier than 5%; but one that is taken lies near plain's time (a
     candidate 5% slower than plain would need its mean measured 2-3 standard errors below plain's), and the median's
     PLAIN_PREFERENCE applies as well. Simulated at 20% scatter per ratio with the close calls' rounds (up to 48, the
-    quicker in the mean at the last): a true 10% gain is taken 98% of the time; a true 5% loss 8%, a 10% loss 1.4%.
+    quicker in the mean at the last): a true 10% gain is taken 98% of the time; a true 5% loss 8%, a 10% loss 1.6%.
     No rounds: no gain shown."""
     if not ratios:
         return False
