@@ -331,6 +331,6 @@ def describe(trial: dict | None) -> list[str]:
     if rounds:
         lines.append(f"per round (ms): {rounds}; compression is taken over plain, and the runner-up over the "
                      f"challenger, where it was quicker by more than {PLAIN_PREFERENCE:.0%} in the median, and in "
-                     f"every round or clearly in the mean (the upper end of a 95% interval); after a close call's last "
-                     f"round, the quicker of its two in the mean")
+                     f"every round or clearly in the mean (the upper end of a 95% interval); where the rounds added "
+                     f"for two of them run out, the quicker of the two in the mean")
     return lines
