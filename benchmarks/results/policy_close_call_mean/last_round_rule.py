@@ -16,23 +16,23 @@ import json
 import os
 import statistics
 
+from gradcomp.trial import all_plain
+
 RESULTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LEFT_OUT = "interleaved_warmup"
 
 
-def plain_name(trial: dict) -> str | None:
-    return next((name for name in trial["names"] if set(trial["choices"][name]) == {"plain"}), None)
-
-
 def capped_rounds(path: str):
-    data = json.load(open(path))
+    with open(path) as file:
+        data = json.load(file)
     step = {(r["world"], r["link"], r["model"], r["round"], r["config"]): statistics.median(r["step_s"])
             for r in data["runs"]}
     for run in data["runs"]:
-        trial = (run.get("decision") or {}).get("trial") if isinstance(run.get("decision"), dict) else None
+        decision = run.get("decision")
+        trial = decision.get("trial") if isinstance(decision, dict) else None
         if not trial or trial.get("chosen") is None or trial["rounds"] < trial.get("max_rounds", trial["rounds"] + 1):
             continue
-        plain, challenger = plain_name(trial), trial["challenger"]
+        plain, challenger = all_plain(trial), trial["challenger"]
         if plain is None or challenger in (None, plain) or trial["chosen"] != plain:
             continue
         seconds = trial["round_step_s"]
