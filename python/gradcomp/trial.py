@@ -21,7 +21,8 @@ measured fastest:
         allreduce (MAX: the slowest rank sets the pace); each candidate's time as a ratio to plain's in the same
         round, and the candidate with the smallest median ratio, the challenger. Plain stands unless the challenger
         was quicker by more than PLAIN_PREFERENCE in the median, and its gain is clear: it was quicker in every
-        round, or the upper end of a 95% one-sided confidence interval of its mean ratio (Student's t) is under 1.
+        round, or the upper end of a 95% one-sided confidence interval of its mean ratio (Student's t) is under 1
+        (where several candidates are so, the challenger is the smallest median ratio among them).
         The rule takes only sums, products, quotients and a square root (exactly rounded by IEEE 754), so every rank
         reaches it alike from the same combined times. Plain is whichever candidate sends every bucket plain: the
         model's choice itself, where that is plain for every bucket (where the shortlist has no plain, the ratios
@@ -34,24 +35,30 @@ measured fastest:
         allgather was 1.2x quicker in the steps after the trial).
         A step counts only where its block's switch was measured in the same process (a resumed run's first step,
         its plans laid out anew, does not);
-    close calls: where the challenger's gain over plain is not clear, but a gain over PLAIN_PREFERENCE is still
-        possible (the lower end of the mean ratio's interval is under 1 - PLAIN_PREFERENCE, or fewer than 3 rounds),
-        the trial goes on with rounds of the challenger and plain alone (in a shuffled order, one allreduce per
-        round), the verdict taken again after each, up to EXTEND x trial_steps rounds in all; at the last round, the
-        quicker in the mean ratio stands. A close call that ran that long lies within a few percent either way (a
+    close calls: where no candidate's gain over plain is clear, but a gain over PLAIN_PREFERENCE is still possible
+        for some (the lower end of the mean ratio's interval is under 1 - PLAIN_PREFERENCE, or fewer than 3 rounds),
+        the trial goes on with rounds of plain and each of those still in the running (in a shuffled order, one
+        allreduce per round), the verdict taken again after each, up to EXTEND x trial_steps rounds in all. A
+        candidate whose gain is ruled out runs no more; the challenger is picked again at each verdict, from all the
+        rounds of those still running. Picked once, from the first rounds' medians, it was a coin's toss between
+        candidates a few percent apart, and the others were never tried again: signsgd at 4 ranks kept two-phase
+        against plain, and then plain, where allgather was 6% quicker than both. Simulated so (9% scatter per step,
+        allgather 7% quicker than plain, two-phase 2%), an option over 1.05x the best was kept in 18% of the trials,
+        and in 3% with every contender running (benchmarks/results/policy_contenders/).
+        At the last round, the quicker in the mean ratio stands: the one of the contenders with the smallest mean
+        ratio to plain, where it is under 1. A close call that ran that long lies within a few percent either way (a
         gain or a loss of 5% shows clearly or is ruled out long before), where a promise of 5% allows either.
         Keeping plain there, whatever the rounds said, kept it where it was slower than 1.05x the best option: in
         the committed runs, 65 rounds ended so with compression quicker in the mean; in the 36 whose challenger sent
         one option throughout, the steps timed after them had plain over 1.05x the best in 18, that option in 9
         (benchmarks/results/policy_close_call_mean/).
-        Once compression is taken, the same holds between the challenger and the runner-up: rounds of the two alone
-        while the runner-up's gain is neither clear nor ruled out and the challenger's gain over it is not clear
-        either; at the last round, the one quicker in the mean ratio stands. Both last-round rules need rounds of the
-        two alone (they know more than the first four's medians); where the rounds against plain used them all up,
-        the challenger stands against the runner-up. Those rounds cost at most
-        the two candidates' difference, which a wrong pick would cost for the rest of the run. Simulated at 20%
-        scatter per step with up to 16 rounds, a runner-up 10% quicker is kept 88% of the time (74% by the first
-        rounds' medians alone).
+        Once compression is taken, the same holds between the challenger and the runner-up (of those still in the
+        running): rounds of the two alone while the runner-up's gain is neither clear nor ruled out and the
+        challenger's gain over it is not clear either; at the last round, the one quicker in the mean ratio stands.
+        Both last-round rules need rounds that a close call added (they know more than the first rounds' medians);
+        where none was added (a verdict taken late), plain stands against the challenger, and the challenger against
+        the runner-up. Those rounds cost at most the candidates' difference, which a wrong pick would cost for the
+        rest of the run.
         On a shared CPU one step scatters by about 20%, and four pairs cannot show a 10% gain; on a GPU they mostly
         can, and fewer rounds are added.
         Why EXTEND is 12 (48 rounds at the default 4): a close call's rounds cost at most the two candidates'
@@ -232,12 +239,14 @@ def verdict(trial: dict, step_seconds: dict[int, float], group, device: torch.de
     the two candidates it lies between (chosen None), starting at step `now` (the trial's end; None: wherever it
     ends): the same on every rank. step_seconds: this rank's measured steps (step -> seconds); one allreduce (MAX)
     combines the ranks' times per candidate and round.
-    Two questions, each a close call until settled: does the challenger (the smallest median ratio to plain) replace
-    plain; and once it has, does the runner-up (the next smallest, compressed too) replace the challenger. Both are
-    answered by clearly_quicker on the two candidates' ratios in the rounds that ran both. Where neither a clear gain
-    nor its absence shows by EXTEND x trial_steps rounds (or by a verdict taken late), the quicker of the two in the
-    mean ratio stands, once rounds of the two alone have run; else plain against the challenger, and the challenger
-    against the runner-up."""
+    Two questions, each a close call until settled: does compression replace plain (a candidate clearly quicker
+    than plain: the challenger, the smallest median ratio to plain among those clearly quicker, or among those still
+    in the running while none is); and once it has, does the runner-up (the next smallest, compressed too) replace
+    the challenger. Both are answered by clearly_quicker on the candidates' ratios in the rounds that ran both; the
+    first question's added rounds hold plain and every compressed candidate whose gain over it is still possible, the
+    second's the challenger and the runner-up. Where neither a clear gain nor its absence shows by EXTEND x
+    trial_steps rounds, the quicker in the mean ratio stands, once a close call has added rounds; else plain against
+    the challenger, and the challenger against the runner-up."""
     names, rounds, round_orders = trial["names"], trial["rounds"], orders(trial)
     steps: dict[tuple[str, int], list[float]] = {(name, r): [] for name in names for r in range(rounds)}
     for step, seconds in step_seconds.items():
@@ -261,45 +270,51 @@ def verdict(trial: dict, step_seconds: dict[int, float], group, device: torch.de
         return [per_round[name][r] / per_round[to][r] for r in whole if name in round_orders[r] and
                 to in round_orders[r]]
 
-    def ran_alone(name: str) -> bool:
-        """Whether rounds a close call added (those of two candidates alone) ran name."""
+    def in_added_rounds(name: str) -> bool:
+        """Whether rounds a close call added ran name."""
         return any(name in order for order in round_orders[trial.get("first_rounds", rounds):])
 
     def smallest_median_ratio(among: list[str]) -> str | None:  # the first of equals
         among = [name for name in among if ratios(name, reference)]
         return min(among, key=lambda name: statistics.median(ratios(name, reference))) if among else None
 
-    challenger, runner_up, pair = trial.get("challenger"), trial.get("runner_up"), None
+    challenger, runner_up, added_round, taken = trial.get("challenger"), trial.get("runner_up"), None, False
+    field = [name for name in round_orders[-1] if name != plain]  # the compressed candidates still in the running
     if not whole:  # no round measured whole on every rank (a run resumed late in the trial): the model's choice
         chosen = MODEL if MODEL in names else names[0]
-    else:
-        challenger = challenger or smallest_median_ratio(names)  # fixed at the first verdict
-        chosen = challenger
-        if plain is not None and challenger != plain and not clearly_quicker(ratios(challenger, plain)):
-            chosen = plain  # compression not (yet) clearly quicker than plain
-            if gain_possible(ratios(challenger, plain)):
-                pair = [challenger, plain]
-                if ran_alone(plain) and statistics.fmean(ratios(challenger, plain)) < 1:
-                    chosen = challenger  # stands only where no round can be added
-        elif challenger != plain:  # compression taken, or no plain to guard: the runner-up may still be quicker
-            runner_up = runner_up or smallest_median_ratio([n for n in names if n not in (challenger, plain)])
-            if runner_up is not None:
-                against = ratios(runner_up, challenger)
-                if clearly_quicker(against):
+    elif plain is not None and plain in round_orders[-1]:  # does compression replace plain: still open
+        clear = [name for name in field if clearly_quicker(ratios(name, plain))]
+        challenger = smallest_median_ratio(clear or field) or plain  # picked again at each verdict, from all its rounds
+        taken = bool(clear)
+        chosen = challenger if taken else plain
+        contenders = [] if taken else [name for name in field if gain_possible(ratios(name, plain))]
+        if contenders:  # a close call: another round of those whose gain is neither clear nor ruled out, and plain
+            added_round = [*contenders, plain]
+            quickest = min(contenders, key=lambda name: statistics.fmean(ratios(name, plain)))
+            if in_added_rounds(quickest) and statistics.fmean(ratios(quickest, plain)) < 1:
+                chosen = quickest  # stands only where no round can be added
+    else:  # compression taken at an earlier verdict, or no plain to guard
+        challenger = chosen = challenger or smallest_median_ratio(names)
+        taken = challenger != plain
+    if taken:  # the runner-up may still be quicker than the challenger
+        runner_up = runner_up or smallest_median_ratio([name for name in field if name != challenger])
+        if runner_up is not None:
+            against = ratios(runner_up, challenger)
+            if clearly_quicker(against):
+                chosen = runner_up
+            elif gain_possible(against) and not clear_gain([1 / ratio for ratio in against]):
+                added_round = [challenger, runner_up]
+                if in_added_rounds(runner_up) and statistics.fmean(against) < 1:  # only where no round can be added
                     chosen = runner_up
-                elif gain_possible(against) and not clear_gain([1 / ratio for ratio in against]):
-                    pair = [challenger, runner_up]
-                    if ran_alone(runner_up) and statistics.fmean(against) < 1:  # only where no round can be added
-                        chosen = runner_up
-    more = pair is not None and rounds < trial.get("max_rounds", rounds) and \
+    more = added_round is not None and rounds < trial.get("max_rounds", rounds) and \
         now in (None, trial["start"] + length(trial))
     measured = {name: [s for s in per_round[name] if math.isfinite(s)] for name in names}
     result = {**trial, "measured_step_s": {name: statistics.median(s) if s else None for name, s in measured.items()},
               "round_step_s": {name: [s if math.isfinite(s) else None for s in per_round[name]] for name in names},
               "challenger": challenger, "runner_up": runner_up, "chosen": chosen}
     if more:
-        random.Random(f"gradcomp trial {trial['start']} {rounds}").shuffle(pair)  # alike on every rank
-        result.update(rounds=rounds + 1, order=round_orders + [pair], chosen=None)
+        random.Random(f"gradcomp trial {trial['start']} {rounds}").shuffle(added_round)  # alike on every rank
+        result.update(rounds=rounds + 1, order=round_orders + [added_round], chosen=None)
     return result
 
 
@@ -313,12 +328,17 @@ def describe(trial: dict | None) -> list[str]:
     lines = [f"trial from step {trial['start']}, {first} rounds of {trial['block']} steps per candidate, "
              f"in {order} (the first of each block uncounted): {names}"]
     if trial["rounds"] > first:
-        plain, challenger = all_plain(trial), trial["challenger"]
-        opponents = [next(name for name in added if name != challenger) for added in orders(trial)[first:]]
+        plain = all_plain(trial)
         labels = {plain: f"{plain} (plain)"} if plain not in (None, "plain") else {}
-        pairs = [(len(list(run)), f"{challenger} and {labels.get(name, name)} alone")  # plain first, then the runner-up
-                 for name, run in itertools.groupby(opponents)]
-        added = f" of {pairs[0][1]}" if len(pairs) == 1 else ": " + ", then ".join(f"{n} of {p}" for n, p in pairs)
+
+        def alone(names: tuple[str, ...]) -> str:
+            listed = [labels.get(name, name) for name in names]
+            return f"{', '.join(listed[:-1])} and {listed[-1]}" + (" alone" if len(names) < len(trial["names"]) else "")
+
+        in_order = [tuple(sorted(added, key=lambda name: (name == plain, trial["names"].index(name))))  # plain last
+                    for added in orders(trial)[first:]]
+        runs = [(len(list(run)), alone(names)) for names, run in itertools.groupby(in_order)]
+        added = f" of {runs[0][1]}" if len(runs) == 1 else ": " + ", then ".join(f"{n} of {r}" for n, r in runs)
         lines.append(f"a close call: {trial['rounds'] - first} more rounds{added} (up to {trial['max_rounds']} in all)")
     if trial["chosen"] is None:
         lines.append("trial under way: each bucket's choice above is that of this step's candidate")

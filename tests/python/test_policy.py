@@ -772,7 +772,7 @@ def test_a_close_call_adds_rounds_of_the_challenger_and_plain_until_its_gain_is_
         capped = _scripted_verdict(trial, {"model": model + scatter, "plain": plain + [3.0] * 44})
         assert capped["chosen"] == chosen and capped["rounds"] == capped["max_rounds"] == 48
     lines = "\n".join(policy_trial.describe(capped))
-    assert "a close call: 44 more rounds of model and plain alone (up to 48 in all)" in lines
+    assert "a close call: 44 more rounds of model and plain (up to 48 in all)" in lines
     assert "model 2800.0/3400.0/2700.0/2900.0/3450.0/2400.0" in lines
 
     # the schedule: rounds added after the first four hold two blocks each, switch then measured step
@@ -797,7 +797,8 @@ TWO_CODECS = ("plain", "allgather", "two-phase")
 def test_once_compression_is_taken_the_runner_up_replaces_the_challenger_only_where_clearly_quicker(monkeypatch):
     """Two compressed candidates often lie within a step's scatter of each other: the challenger (the smallest median
     ratio to plain) stands unless the runner-up is clearly quicker than it, by the rule that guards plain; a close
-    call between them adds rounds of the two alone, after any rounds the challenger needed against plain."""
+    call between them adds rounds of the two alone, after any rounds the challenger needed against plain (which hold
+    the runner-up too, while its gain over plain is still possible)."""
     trial = _one_bucket_trial(monkeypatch, options=TWO_CODECS)
     assert trial["names"] == ["model", "plain", "two-phase"]
     plain = [3.0] * 4
@@ -808,62 +809,74 @@ def test_once_compression_is_taken_the_runner_up_replaces_the_challenger_only_wh
     alike = _scripted_verdict(trial, {"model": [2.0] * 4, "plain": plain, "two-phase": [2.0] * 4})
     assert alike["chosen"] == "model" and alike["rounds"] == 4  # no gain over 2% possible: the challenger stands
 
-    # ratios to plain 0.93, 1.06, 0.87, 0.88 (model) against 0.97, 1.03, 0.90, 0.88 (two-phase): the model's choice
-    # is the challenger, a close call against plain settled by two rounds; then two-phase's ratios to it (1.04, 0.97,
-    # 1.04, 1.0) neither show nor rule out a gain, until two-phase's 26% in four rounds of the two alone makes it clear
+    # ratios to plain 0.93, 1.06, 0.87, 0.88 (model) against 0.97, 1.03, 0.90, 0.88 (two-phase): neither gain is clear
+    # nor ruled out: rounds of the three, until the model's choice is clearly quicker than plain after two (two-phase
+    # not: 1.03 and 0.8 in them); then two-phase's ratios to it (1.04, 0.97, 1.04, 1.0, 1.15, 0.89) neither show nor
+    # rule out a gain, until two-phase's 26% in four rounds of the two alone makes it clear
     model, plain = [2.8, 3.4, 2.7, 2.9], [3.0, 3.2, 3.1, 3.3]
     both = _scripted_verdict(trial, {"model": model + [2.7] * 6, "plain": plain + [3.0] * 2,
-                                     "two-phase": [2.9, 3.3, 2.8, 2.9] + [2.0] * 4})
+                                     "two-phase": [2.9, 3.3, 2.8, 2.9, 3.1, 2.4] + [2.0] * 4})
     assert (both["challenger"], both["runner_up"], both["chosen"], both["rounds"]) == ("model", "two-phase",
                                                                                        "two-phase", 10)
-    assert [sorted(order) for order in both["order"][4:]] == [["model", "plain"]] * 2 + [["model", "two-phase"]] * 4
-    assert both["round_step_s"]["two-phase"] == [2.9, 3.3, 2.8, 2.9, None, None, 2.0, 2.0, 2.0, 2.0]
-    assert "a close call: 6 more rounds: 2 of model and plain alone, then 4 of model and two-phase alone (up to 48 " \
-           "in all)" in "\n".join(policy_trial.describe(both))
+    assert [sorted(order) for order in both["order"][4:]] == [["model", "plain", "two-phase"]] * 2 + \
+        [["model", "two-phase"]] * 4
+    assert both["round_step_s"]["plain"] == plain + [3.0, 3.0] + [None] * 4
+    assert "a close call: 6 more rounds: 2 of model, two-phase and plain, then 4 of model and two-phase alone " \
+           "(up to 48 in all)" in "\n".join(policy_trial.describe(both))
     # two-phase's ratios to the model's choice scatter (1.3 and 0.75, or 0.65, in turn) to the last round: the
     # quicker in the mean of all 48 stands (1.02: the model's choice; 0.98: two-phase)
     for later, chosen in (([2.6, 1.5] * 22, "model"), ([2.6, 1.3] * 22, "two-phase")):
         capped = _scripted_verdict(trial, {"model": [2.0, 2.1, 2.2, 2.0] + [2.0] * 44, "plain": [3.0] * 4,
                                            "two-phase": [2.1, 2.0, 2.3, 1.9] + later})
         assert capped["chosen"] == chosen and capped["rounds"] == capped["max_rounds"] == 48
-    # the rounds against plain ran to the last (model's choice clear at round 8 of 8, a limit of 8 here): two-phase,
-    # never run alone with it, does not replace it on the first rounds' mean ratio (0.8 and 1.18: 0.99)
-    up_to_8 = {**_one_bucket_trial(monkeypatch, trial_steps=2, options=TWO_CODECS), "max_rounds": 8}
-    used_up = _scripted_verdict(up_to_8, {
-        "model": [2.5, 3.4, 2.5, 3.2, 2.5, 2.5, 2.5, 2.5], "plain": [3.0] * 8, "two-phase": [2.0, 4.0]})
-    assert (used_up["runner_up"], used_up["chosen"], used_up["rounds"]) == ("two-phase", "model", 8)
+    # the same close call (two-phase's ratios to the model's choice 1.05, 0.95, 1.05, 0.95: a mean under 1), but a
+    # verdict taken late adds no round: with no round of the two alone run, the challenger stands
+    first = {"model": [2.0, 2.1, 2.2, 2.0], "plain": [3.0] * 4, "two-phase": [2.1, 2.0, 2.3, 1.9]}
+    steps = {}
+    for s in range(policy_trial.length(trial)):
+        if policy_trial.counted(trial, s):
+            steps.update({s - 1: SWITCH_SECONDS, s: first[policy_trial.candidate_at(trial, s)][policy_trial.round_at(trial, s)]})
+    late = policy_trial.verdict(trial, steps, None, torch.device("cpu"), now=policy_trial.length(trial) + 1)
+    assert (late["runner_up"], late["chosen"], late["rounds"]) == ("two-phase", "model", 4)
     # where plain stands, no runner-up is looked for
     kept_plain = _scripted_verdict(trial, {"model": [3.3] * 4, "plain": [3.0] * 4, "two-phase": [3.2] * 4})
     assert kept_plain["chosen"] == "plain" and kept_plain["runner_up"] is None and kept_plain["rounds"] == 4
 
 
-def test_added_rounds_of_two_follow_rounds_of_every_candidate(monkeypatch):
-    """With three candidates, the first rounds hold three blocks each and the added ones two: each step's round,
-    candidate and count."""
+def test_added_rounds_hold_the_candidates_still_in_the_running(monkeypatch):
+    """A close call's added rounds hold plain and every compressed candidate whose gain is neither clear nor ruled out,
+    so a challenger picked from a few noisy rounds is not the only one tried further: with three candidates and two
+    first rounds, the third holds all three (nothing can be ruled out from two rounds), the fourth only the model's
+    choice and plain (two-phase, 17% slower in three rounds, is out): each step's round, candidate and count."""
     monkeypatch.setattr(policy_trial.dist, "get_world_size", lambda group=None: 1)
     decision = {"step": 10, "options": ["plain", "allgather", "two-phase"], "buckets": [{"choice": "allgather"}],
                 "predicted_exposed_s": {"policy": 0.1, "plain": 0.2, "allgather": 0.1, "two-phase": 0.3}}
     trial = policy_trial.plan(decision, 2, plain_step_s=None)
     assert trial["names"] == ["model", "plain", "two-phase"] and policy_trial.length(trial) == 12
-    seconds = {"model": [2.0, 3.2], "plain": [3.0, 3.0], "two-phase": [3.5, 3.5]}
+    seconds = {"model": 2.0, "plain": 3.0, "two-phase": 3.5}
     steps = {s: 100.0 for s in range(10, 22)}
     for s in range(10, 22):
         if policy_trial.counted(trial, s):
-            steps[s] = seconds[policy_trial.candidate_at(trial, s)][policy_trial.round_at(trial, s)]
+            steps[s] = seconds[policy_trial.candidate_at(trial, s)] + (1.2 if policy_trial.round_at(trial, s) == 1 and
+                                                                       policy_trial.candidate_at(trial, s) == "model"
+                                                                       else 0.0)
     close_call = policy_trial.verdict(trial, steps, None, torch.device("cpu"), now=22)
     assert close_call["chosen"] is None and close_call["rounds"] == 3 and close_call["challenger"] == "model"
-    assert policy_trial.length(close_call) == 16 and sorted(close_call["order"][2]) == ["model", "plain"]
-    assert [policy_trial.round_at(close_call, s) for s in (9, 10, 15, 16, 21, 22, 25, 26)] == \
+    assert policy_trial.length(close_call) == 18 and sorted(close_call["order"][2]) == ["model", "plain", "two-phase"]
+    assert [policy_trial.round_at(close_call, s) for s in (9, 10, 15, 16, 21, 22, 27, 28)] == \
         [None, 0, 0, 1, 1, 2, 2, None]
-    assert [s for s in range(10, 26) if policy_trial.counted(close_call, s)] == list(range(11, 26, 2))
-    added = [policy_trial.candidate_at(close_call, s) for s in range(22, 26)]
-    assert added[0] == added[1] != added[2] == added[3] and sorted({*added}) == ["model", "plain"]
+    assert [s for s in range(10, 28) if policy_trial.counted(close_call, s)] == list(range(11, 28, 2))
+    added = [policy_trial.candidate_at(close_call, s) for s in range(22, 28)]
+    assert added[0::2] == added[1::2] and sorted(added[0::2]) == ["model", "plain", "two-phase"]
     assert close_call["round_step_s"] == {"model": [2.0, 3.2], "plain": [3.0, 3.0], "two-phase": [3.5, 3.5]}
-    steps.update({s: 100.0 for s in range(22, 26)})
-    steps.update({s: 2.0 if policy_trial.candidate_at(close_call, s) == "model" else 3.0 for s in (23, 25)})
-    again = policy_trial.verdict(close_call, steps, None, torch.device("cpu"), now=26)
-    assert again["round_step_s"] == {"model": [2.0, 3.2, 2.0], "plain": [3.0, 3.0, 3.0], "two-phase": [3.5, 3.5, None]}
-    assert again["chosen"] is None and again["rounds"] == 4  # ratios 0.67, 1.07, 0.67: not clear yet
+    steps.update({s: 100.0 for s in range(22, 28)})
+    steps.update({s: seconds[policy_trial.candidate_at(close_call, s)] for s in (23, 25, 27)})
+    again = policy_trial.verdict(close_call, steps, None, torch.device("cpu"), now=28)
+    assert again["round_step_s"] == {"model": [2.0, 3.2, 2.0], "plain": [3.0, 3.0, 3.0],
+                                     "two-phase": [3.5, 3.5, 3.5]}
+    assert again["chosen"] is None and again["rounds"] == 4  # the model's ratios 0.67, 1.07, 0.67: not clear yet
+    assert sorted(again["order"][3]) == ["model", "plain"] and policy_trial.length(again) == 22
+    assert [policy_trial.candidate_at(again, s) for s in (28, 29, 30, 31)].count("model") == 2
 
 
 def test_a_trial_planned_by_an_earlier_gradcomp_runs_its_blocks_in_the_shortlists_order_and_adds_no_round(monkeypatch):
@@ -996,45 +1009,49 @@ def test_the_trial_runs_each_candidate_in_turn_and_every_rank_keeps_the_fastest_
 
 
 # Per rank, per round: allgather's gain over plain (3.0 s) is lost in round 1, so two rounds do not settle it; the
-# rounds added for the close call (allgather and plain alone) make it clear after round 4. Rank 1 is the slower. The
-# other candidates are slower than allgather in every round: no close call between allgather and the runner-up.
+# rounds added for the close call make it clear after round 4: the first holds every candidate (none can be ruled out
+# from two rounds), the next two allgather and plain alone (the others, 13% and 17% slower than plain in three
+# rounds, are out). Rank 1 is the slower. Once allgather is taken, no runner-up is left in the running.
 CLOSE_CALL_SECONDS = {"model": [3.4, 3.4], "plain": [3.0, 3.0], "two-phase": [3.5, 3.5],
                       "allgather": [[2.0, 3.2, 2.0, 2.1], [2.1, 3.3, 2.1, 2.2]]}
 
 
 def test_a_close_call_runs_its_added_rounds_on_every_rank_alike_and_loses_nothing():
-    world, steps = 2, 38
+    world, steps = 2, 40
     results, trial = run_trial(2, steps, CLOSE_CALL_SECONDS)
     assert trial["names"] == ["model", "plain", "allgather", "two-phase"]
     assert trial["rounds"] == 5 and trial["first_rounds"] == 2 and trial["challenger"] == "allgather"
-    assert trial["runner_up"] == "model"
+    assert trial["runner_up"] is None
     assert trial["round_step_s"]["allgather"] == [2.1, 3.3, 2.1, 2.2, 2.2]  # the slower rank's
-    assert trial["round_step_s"]["two-phase"] == [3.5, 3.5, None, None, None]  # not in the added rounds
+    assert trial["round_step_s"]["two-phase"] == [3.5, 3.5, 3.5, None, None]  # out after the first added round
     assert trial["chosen"] == "allgather" and policy_trial.candidate_at(trial, steps - 1) is None  # the run went on
     assert_the_trial_was_followed(results, steps, world)
-    assert "a close call: 3 more rounds of allgather and plain alone (up to 24 in all)" in results[0]["explain"]
+    assert "a close call: 3 more rounds: 1 of model, allgather, two-phase and plain, then 2 of allgather and plain " \
+           "alone (up to 24 in all)" in results[0]["explain"]
 
 
-# Per rank, per round, 3 rounds: allgather is the challenger (its median ratio to plain 0.7 against two-phase's 0.77),
-# clearly quicker than plain after two rounds of the two alone; two-phase, the runner-up, lost round 0 to it and won
-# round 1 (the largest of the ranks' times: 2.1 against 2.0, 2.5 against 3.2): rounds of the two alone, until
-# two-phase's 24% makes it clearly the quicker. Each rank is the slower somewhere.
-RUNNER_UP_SECONDS = {"model": [2.9, 2.9], "plain": [3.0, 3.0],
-                     "allgather": [[1.9, 3.2, 2.1], [2.0, 3.1, 2.0]],
-                     "two-phase": [[2.1, 2.4, 2.3, 2.3, 2.3, 1.6], [2.0, 2.5, 2.2, 2.2, 2.2, 1.5]]}
+# Per rank, per round, 3 rounds: allgather and two-phase each lose round 1 to plain, so neither gain over plain is
+# clear; two rounds of the two and plain (the model's choice, 3% slower than plain in three rounds, is out) make both
+# clear, and allgather, the smaller median ratio (0.67 against 0.7), the challenger; two-phase, the runner-up, lost
+# rounds 0, 1, 3 and 4 to it and won round 2 (the largest of the ranks' times): rounds of the two alone, until
+# two-phase's 30% makes it clearly the quicker. Each rank is the slower somewhere.
+RUNNER_UP_SECONDS = {"model": [3.1, 3.1], "plain": [3.0, 3.0],
+                     "allgather": [[1.9, 3.2, 2.1, 2.0], [2.0, 3.1, 2.0, 1.9]],
+                     "two-phase": [[2.2, 3.2, 1.9, 2.1, 2.1, 1.4], [2.1, 3.3, 1.8, 2.0, 2.0, 1.3]]}
 
 
 def test_a_close_call_between_the_challenger_and_the_runner_up_runs_on_every_rank_alike_and_loses_nothing():
-    world, steps = 2, 56
+    world, steps = 2, 60
     results, trial = run_trial(3, steps, RUNNER_UP_SECONDS)
     assert (trial["challenger"], trial["runner_up"], trial["chosen"]) == ("allgather", "two-phase", "two-phase")
-    assert [sorted(order) for order in trial["order"][3:]] == [["allgather", "plain"]] * 2 + \
-        [["allgather", "two-phase"]] * 3
-    assert trial["round_step_s"]["two-phase"] == [2.1, 2.5, 2.3, None, None, 1.6, 1.6, 1.6]  # the slower rank's
+    assert [sorted(order) for order in trial["order"][3:]] == [["allgather", "plain", "two-phase"]] * 2 + \
+        [["allgather", "two-phase"]] * 4
+    assert trial["round_step_s"]["two-phase"] == [2.2, 3.3, 1.9, 2.1, 2.1, 1.4, 1.4, 1.4, 1.4]  # the slower rank's
+    assert trial["round_step_s"]["plain"] == [3.0] * 5 + [None] * 4
     assert policy_trial.candidate_at(trial, steps - 1) is None  # the run went past the trial
     assert_the_trial_was_followed(results, steps, world)
-    assert "a close call: 5 more rounds: 2 of allgather and plain alone, then 3 of allgather and two-phase alone " \
-           "(up to 36 in all)" in results[0]["explain"]
+    assert "a close call: 6 more rounds: 2 of allgather, two-phase and plain alone, then 4 of allgather and " \
+           "two-phase alone (up to 36 in all)" in results[0]["explain"]
 
 
 def test_a_run_resumed_during_a_close_calls_added_rounds_keeps_the_rounds_combined_before_on_every_rank(tmp_path):
