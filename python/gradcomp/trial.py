@@ -43,8 +43,8 @@ measured fastest:
         rounds of those still running. Picked once, from the first rounds' medians, it was a coin's toss between
         candidates a few percent apart, and the others were never tried again: signsgd at 4 ranks kept two-phase
         against plain, and then plain, where allgather was 6% quicker than both. Simulated so (9% scatter per step,
-        allgather 7% quicker than plain, two-phase 2%), an option over 1.05x the best was kept in 18% of the trials,
-        and in 3% with every contender running (benchmarks/results/policy_contenders/).
+        allgather 7% quicker than plain, two-phase 2%), an option over 1.05x the best was kept in 15% of the trials,
+        and in 4% with every contender running (benchmarks/results/policy_contenders/simulate_trial.py).
         At the last round, the quicker in the mean ratio stands: the one of the contenders with the smallest mean
         ratio to plain, where it is under 1. A close call that ran that long lies within a few percent either way (a
         gain or a loss of 5% shows clearly or is ruled out long before), where a promise of 5% allows either.
@@ -331,13 +331,13 @@ def describe(trial: dict | None) -> list[str]:
         plain = all_plain(trial)
         labels = {plain: f"{plain} (plain)"} if plain not in (None, "plain") else {}
 
-        def alone(names: tuple[str, ...]) -> str:
-            listed = [labels.get(name, name) for name in names]
-            return f"{', '.join(listed[:-1])} and {listed[-1]}" + (" alone" if len(names) < len(trial["names"]) else "")
+        def listed(group: tuple[str, ...]) -> str:  # "alone" where the others in the shortlist did not run
+            shown = [labels.get(name, name) for name in group]
+            return f"{', '.join(shown[:-1])} and {shown[-1]}" + (" alone" if len(group) < len(trial["names"]) else "")
 
         in_order = [tuple(sorted(added, key=lambda name: (name == plain, trial["names"].index(name))))  # plain last
                     for added in orders(trial)[first:]]
-        runs = [(len(list(run)), alone(names)) for names, run in itertools.groupby(in_order)]
+        runs = [(len(list(run)), listed(group)) for group, run in itertools.groupby(in_order)]
         added = f" of {runs[0][1]}" if len(runs) == 1 else ": " + ", then ".join(f"{n} of {r}" for n, r in runs)
         lines.append(f"a close call: {trial['rounds'] - first} more rounds{added} (up to {trial['max_rounds']} in all)")
     if trial["chosen"] is None:

@@ -833,9 +833,9 @@ def test_once_compression_is_taken_the_runner_up_replaces_the_challenger_only_wh
     # verdict taken late adds no round: with no round of the two alone run, the challenger stands
     first = {"model": [2.0, 2.1, 2.2, 2.0], "plain": [3.0] * 4, "two-phase": [2.1, 2.0, 2.3, 1.9]}
     steps = {}
-    for s in range(policy_trial.length(trial)):
-        if policy_trial.counted(trial, s):
-            steps.update({s - 1: SWITCH_SECONDS, s: first[policy_trial.candidate_at(trial, s)][policy_trial.round_at(trial, s)]})
+    for s in filter(lambda s: policy_trial.counted(trial, s), range(policy_trial.length(trial))):
+        scripted = first[policy_trial.candidate_at(trial, s)][policy_trial.round_at(trial, s)]
+        steps.update({s - 1: SWITCH_SECONDS, s: scripted})
     late = policy_trial.verdict(trial, steps, None, torch.device("cpu"), now=policy_trial.length(trial) + 1)
     assert (late["runner_up"], late["chosen"], late["rounds"]) == ("two-phase", "model", 4)
     # where plain stands, no runner-up is looked for
