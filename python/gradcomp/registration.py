@@ -79,8 +79,9 @@ def register(ddp_model: torch.nn.Module, spec: "str | CompressionState" = "topk"
     trial_steps: under policy="time", after the model's decision, the steps measured per candidate of its shortlist
         (the model's choice and each option for every bucket, unless predicted far slower), one per round, each
         compared with plain's step of its round; the fastest stands where its gain is clear of the rounds' scatter,
-        and the runner-up replaces it where clearly quicker still; a close call adds rounds of the two it lies
-        between, up to 12 x trial_steps in all, then the quicker of the two in the mean (gradcomp.trial).
+        and the runner-up replaces it where clearly quicker still; a close call adds rounds of those it lies
+        between (plain and each candidate whose gain over it is still possible; then the fastest and the runner-up),
+        up to 12 x trial_steps in all, then the quicker in the mean (gradcomp.trial).
         0: the model's choice stands; else at least 2. Default 4 under policy="time".
     elastic: a state of every rank (gradcomp.every_rank) saved on another number of ranks loads: each rank takes the
         saved residuals' average, which the new ranks' average then equals (gradcomp.elastic says how each scheme's
