@@ -295,7 +295,7 @@ def verdict(trial: dict, step_seconds: dict[int, float], group, device: torch.de
                 chosen = quickest  # stands only where no round can be added
     else:  # compression taken at an earlier verdict, or no plain to guard
         challenger = chosen = challenger or smallest_median_ratio(names)
-        taken = challenger != plain
+        taken = True
     if taken:  # the runner-up may still be quicker than the challenger
         runner_up = runner_up or smallest_median_ratio([name for name in field if name != challenger])
         if runner_up is not None:
@@ -351,6 +351,6 @@ def describe(trial: dict | None) -> list[str]:
     if rounds:
         lines.append(f"per round (ms): {rounds}; compression is taken over plain, and the runner-up over the "
                      f"challenger, where it was quicker by more than {PLAIN_PREFERENCE:.0%} in the median, and in "
-                     f"every round or clearly in the mean (the upper end of a 95% interval); where the rounds added "
-                     f"for two of them run out, the quicker of the two in the mean")
+                     f"every round or clearly in the mean (the upper end of a 95% interval); where the added rounds "
+                     f"run out, the quickest of those they ran, in the mean")
     return lines
